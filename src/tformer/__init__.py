@@ -1,0 +1,17 @@
+"""tformer: the Transformer family — attention, encoder, decoder, encoder-decoder — readable and fast."""
+
+from .attention import Cache, KVCache, MultiHeadAttention, attention
+from .checkpoint import load, save
+from .config import PRESETS, ModelConfig, preset
+from .errors import CheckpointError, ConfigError, DataError, TformerError
+from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig", "PRESETS", "preset",
+    "Encoder", "EncoderClassifier", "Decoder", "EncoderDecoder",
+    "MultiHeadAttention", "KVCache", "Cache", "attention",
+    "save", "load",
+    "TformerError", "ConfigError", "CheckpointError", "DataError",
+]

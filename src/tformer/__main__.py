@@ -1,0 +1,5 @@
+import sys
+
+from tformer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,172 @@
+"""Attention: softmax(QKᵀ/√d_k)V, multi-head attention, and the KV cache.
+
+Shape letters used below: B batch, H query heads, H_kv key/value heads (H_kv < H: grouped-query
+attention), T_q query length, T_k key length, hd head size = d_model / H, D = d_model.
+Masks are bool, True = may attend (see masks.py), broadcastable to (B, H, T_q, T_k).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .masks import causal_mask
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, return_weights: bool = False):
+    """The reference path, written as the formula: for query i and key j
+
+        s_ij = q_i · k_j / √d_k            (score)
+        α_ij = exp(s_ij) / Σ_j' exp(s_ij')   (softmax over keys; masked keys get s = -∞, so α = 0)
+        o_i  = Σ_j α_ij v_j                 (weighted sum of values)
+
+    q: (B, H, T_q, hd); k, v: (B, H_kv, T_k, hd). Returns o (B, H, T_q, hd), and α (B, H, T_q, T_k)
+    when return_weights=True.
+    """
+    k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T_q, T_k)
+    if is_causal:
+        causal = causal_mask(q.size(-2), k.size(-2), device=q.device)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    weights = torch.nan_to_num(weights)              # a row with every key masked attends to nothing
+    out = F.dropout(weights, dropout_p) @ v if dropout_p > 0 else weights @ v     # (B, H, T_q, hd)
+    return (out, weights) if return_weights else out
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False) -> Tensor:
+    """The same computation through PyTorch's fused kernels (flash / memory-efficient / math).
+    They never materialise α, so they cannot return it."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          enable_gqa=k.size(1) != q.size(1))
+
+
+def _repeat_kv(x: Tensor, n_heads: int) -> Tensor:
+    """(B, H_kv, T, hd) -> (B, H, T, hd): each K/V head serves H / H_kv query heads."""
+    return x if x.size(1) == n_heads else x.repeat_interleave(n_heads // x.size(1), dim=1)
+
+
+class KVCache:
+    """Preallocated keys and values of one self-attention layer, filled left to right.
+
+        k, v: (B, H_kv, T_max, hd)
+              slot:  0 1 2 ... length-1 | length ... T_max-1
+                     [ cached keys      ] [ free            ]
+
+    `update` writes the new positions at [length, length + T) and returns the filled part, so the
+    same attention code serves the prompt (prefill, T = prompt length) and each new token (T = 1).
+    """
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=None, device=None):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        start, end = self.length, self.length + k.size(2)
+        if end > self.k.size(2):
+            raise ValueError(f"KV cache is full: {end} positions needed, {self.k.size(2)} allocated")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (beam search: continue the beams that survived)."""
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class CrossKVCache:
+    """Keys and values of encoder-decoder attention: computed from the encoder output once per
+    sequence, then reused at every decoding step."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class MultiHeadAttention(nn.Module):
+    """Q = X W_Q, K = C W_K, V = C W_V; H heads attend in parallel; heads are concatenated and mixed
+    by the output projection W_O. Self-attention: C = X. Encoder-decoder (cross) attention: X is the
+    decoder stream, C the encoder output.
+
+    Self-attention projects Q, K, V with one fused matrix (one GEMM instead of three); cross-attention
+    fuses K and V, which both come from C. `rotary` (RoPE) rotates Q and K when given.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, cross: bool = False, rotary: nn.Module | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
+        self.cross, self.dropout, self.rotary = cross, dropout, rotary
+        q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
+
+    def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
+                positions: Tensor | None = None, cache: KVCache | CrossKVCache | None = None,
+                is_causal: bool = False, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T_q, D); context: (B, T_k, D) for cross-attention. Returns (out (B, T_q, D),
+        α (B, H, T_q, T_k) or None). `is_causal` asks for the causal mask without building it."""
+        B, T, _ = x.shape
+        if self.cross:
+            q = self._heads(self.q_proj(x), self.n_heads)                       # (B, H, T_q, hd)
+            if cache is not None and cache.k is not None:
+                k, v = cache.k, cache.v
+            else:
+                k, v = (self._heads(t, self.n_kv_heads) for t in self.kv_proj(context).chunk(2, dim=-1))
+                if cache is not None:
+                    cache.k, cache.v = k, v
+        else:
+            kv_dim = self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            if self.rotary is not None:
+                q, k = self.rotary(q, positions), self.rotary(k, positions)
+            if cache is not None:
+                k, v = cache.update(k, v)                                        # (B, H_kv, T_k, hd)
+
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = attention(q, k, v, mask, dropout_p, is_causal, return_weights=True)
+        else:
+            out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal), None
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)     # concat heads: (B, T_q, H*hd)
+        return self.out_proj(out), weights
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)                    # (B, n, T, hd)
+
+
+class Cache:
+    """All the caches of one model for one batch of sequences: a KVCache per decoder layer and, for
+    an encoder-decoder, a CrossKVCache per layer. `length` = positions already processed."""
+
+    def __init__(self, layers: list[KVCache], cross: list[CrossKVCache] | None = None):
+        self.layers, self.cross = layers, cross
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def reorder(self, index: Tensor) -> None:
+        for c in self.layers + (self.cross or []):
+            c.reorder(index)

@@ -1,0 +1,163 @@
+"""ModelConfig: the few numbers and choices that define a Transformer, as plain JSON-able data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+KINDS = ("encoder", "decoder", "encoder-decoder")
+NORM_POSITIONS = ("pre", "post")
+POSITIONALS = ("sinusoidal", "learned", "rope")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+SINUSOIDAL_LAYOUTS = ("interleaved", "split")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "decoder"              # which family: encoder (BERT), decoder (GPT), encoder-decoder (2017, T5, BART)
+    vocab_size: int = 256              # rows of the token embedding = columns of the output layer
+    d_model: int = 128                 # D: width of every token vector; blocks keep (B, T, D) in and out
+    n_heads: int = 4                   # heads run in parallel, each of size d_model / n_heads
+    n_layers: int = 2                  # blocks in the encoder, or in the decoder of a decoder-only model
+    n_decoder_layers: int | None = None  # encoder-decoder only: decoder depth (None = n_layers)
+    n_kv_heads: int | None = None      # grouped-query attention: K/V heads shared by groups of Q heads (None = n_heads)
+    d_ff: int | None = None            # hidden width of the per-token FFN (None = 4 * d_model)
+    max_seq_len: int = 256             # longest sequence: sizes learned position tables and the KV cache
+    dropout: float = 0.0               # on embeddings, attention weights, sublayer outputs and the classifier head
+    norm_position: str = "pre"         # "post" = 2017 Add & Norm after the residual; "pre" = modern, trains deeper
+    positional: str = "learned"        # how order enters: "sinusoidal" (2017), "learned" (GPT-2/BERT), "rope" (Llama)
+    activation: str = "gelu"           # FFN non-linearity; "swiglu" is the gated form Llama uses
+    norm: str = "layernorm"            # "rmsnorm": no mean subtraction, no bias (Llama)
+    norm_eps: float = 1e-5             # HF checkpoints differ (BERT 1e-12, Llama 1e-6); kept exact for parity
+    bias: bool = True                  # biases in linear layers and LayerNorm (Llama has none)
+    tie_embeddings: bool = True        # output layer reuses the token embedding matrix (GPT-2, BERT, Marian, BART)
+    rope_theta: float = 10000.0        # RoPE base frequency
+    embed_scale: bool = False          # multiply token embeddings by sqrt(d_model), as the 2017 paper (and Marian) do
+    embedding_norm: bool = False       # a norm right after the embeddings (BERT, BART)
+    type_vocab_size: int = 0           # BERT's segment (token-type) embeddings; 0 = none
+    position_offset: int = 0           # learned positions start at this row (BART reserves 2)
+    sinusoidal_layout: str = "interleaved"  # sin/cos on even/odd dims (2017) or first/second half ("split", Marian)
+    lm_head_bias: bool = False         # a bias on the output logits (Marian/BART's final_logits_bias)
+    pad_token_id: int | None = None    # generation pads finished rows with it; encoder-decoder uses it as decoder start
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    decoder_start_token_id: int | None = None  # first decoder input of an encoder-decoder
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers if self.n_decoder_layers is not None else self.n_layers
+
+    # --- checks --------------------------------------------------------------------------
+    def validate(self) -> None:
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+        choice("kind", KINDS)
+        choice("norm_position", NORM_POSITIONS)
+        choice("positional", POSITIONALS)
+        choice("activation", ACTIVATIONS)
+        choice("norm", NORMS)
+        choice("sinusoidal_layout", SINUSOIDAL_LAYOUTS)
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
+            positive(name)
+        for name in ("n_decoder_layers", "n_kv_heads", "d_ff"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                f"(each head gets d_model / n_heads dimensions)")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.positional == "rope" and self.head_dim % 2:
+            raise ConfigError(f"positional='rope' needs an even head size, got d_model/n_heads={self.head_dim}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.n_decoder_layers is not None and self.kind != "encoder-decoder":
+            raise ConfigError("n_decoder_layers is only used when kind='encoder-decoder'")
+        if self.type_vocab_size < 0 or self.position_offset < 0:
+            raise ConfigError("type_vocab_size and position_offset must be >= 0")
+
+    # --- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"invalid config: {e}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# Presets: plain data. `tiny` is for tests; the others have the shapes of well-known models.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=128),
+    # The default for `tformer train`: sized for a few minutes of CPU training on Shakespeare.
+    "small": dict(d_model=256, n_heads=4, n_layers=4, d_ff=1024, max_seq_len=128),
+    "gpt2-small": dict(kind="decoder", vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
+                       max_seq_len=1024, norm_position="pre", positional="learned", activation="gelu_tanh"),
+    "bert-base": dict(kind="encoder", vocab_size=30522, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
+                      max_seq_len=512, norm_position="post", positional="learned", activation="gelu",
+                      norm_eps=1e-12, embedding_norm=True, type_vocab_size=2),
+    "transformer-base": dict(kind="encoder-decoder", vocab_size=37000, d_model=512, n_heads=8, n_layers=6,
+                             d_ff=2048, max_seq_len=512, dropout=0.1, norm_position="post",
+                             positional="sinusoidal", activation="relu", embed_scale=True),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a named preset, with fields overridden by keyword."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

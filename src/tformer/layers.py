@@ -1,0 +1,150 @@
+"""The pieces of a Transformer block: norms, the feed-forward network, residual connections, and
+the encoder and decoder layers built from them. Every block maps (B, T, D) -> (B, T, D).
+
+Where the norm sits is chosen when the block is built (`PreNorm` or `PostNorm`), not in forward:
+
+    post-LN (2017):   x = LayerNorm(x + Sublayer(x))
+    pre-LN (modern):  x = x + Sublayer(LayerNorm(x))      (+ one final norm after the last block)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import CrossKVCache, KVCache, MultiHeadAttention
+from .config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),   # GPT-2's "gelu_new"
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class FeedForward(nn.Module):
+    """The position-wise FFN, applied to every token independently: down(act(up(x))).
+    SwiGLU (Llama) gates it: down(silu(gate(x)) * up(x)); gate and up share one fused matrix."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.gated = activation == "swiglu"
+        self.act = F.silu if self.gated else ACTIVATIONS[activation]
+        self.up = nn.Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.up(x)                                                           # (B, T, d_ff or 2*d_ff)
+        if self.gated:
+            gate, h = h.chunk(2, dim=-1)
+            h = self.act(gate) * h
+        else:
+            h = self.act(h)
+        return self.down(self.dropout(h))
+
+
+class PreNorm(nn.Module):
+    """Residual connection, norm first: x + dropout(f(norm(x)))."""
+
+    def __init__(self, norm: nn.Module, dropout: float):
+        super().__init__()
+        self.norm, self.dropout = norm, nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, f: Callable[[Tensor], Tensor]) -> Tensor:
+        return x + self.dropout(f(self.norm(x)))
+
+
+class PostNorm(nn.Module):
+    """Residual connection, then norm ("Add & Norm" of 2017): norm(x + dropout(f(x)))."""
+
+    def __init__(self, norm: nn.Module, dropout: float):
+        super().__init__()
+        self.norm, self.dropout = norm, nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, f: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.norm(x + self.dropout(f(x)))
+
+
+def residual(cfg: ModelConfig) -> nn.Module:
+    return (PreNorm if cfg.norm_position == "pre" else PostNorm)(make_norm(cfg), cfg.dropout)
+
+
+def self_attention(cfg: ModelConfig, rotary: nn.Module | None = None) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.dropout, rotary=rotary)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the whole sequence, then the FFN, each wrapped in a residual + norm."""
+
+    def __init__(self, cfg: ModelConfig, rotary: nn.Module | None = None):
+        super().__init__()
+        self.attn = self_attention(cfg, rotary)
+        self.attn_residual = residual(cfg)
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.bias, cfg.dropout)
+        self.ffn_residual = residual(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        weights = None
+
+        def attend(h: Tensor) -> Tensor:
+            nonlocal weights
+            h, weights = self.attn(h, mask=mask, positions=positions, need_weights=need_weights)
+            return h
+
+        x = self.attn_residual(x, attend)
+        x = self.ffn_residual(x, self.ffn)
+        return x, weights
+
+
+class DecoderLayer(nn.Module):
+    """Masked (causal) self-attention, then — in an encoder-decoder — attention to the encoder
+    output (Q from the decoder, K and V from the encoder), then the FFN; each with residual + norm."""
+
+    def __init__(self, cfg: ModelConfig, cross: bool = False, rotary: nn.Module | None = None):
+        super().__init__()
+        self.attn = self_attention(cfg, rotary)
+        self.attn_residual = residual(cfg)
+        if cross:
+            self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.dropout,
+                                                 cross=True)
+            self.cross_residual = residual(cfg)
+        else:
+            self.cross_attn = None
+        self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.bias, cfg.dropout)
+        self.ffn_residual = residual(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: KVCache | None = None, memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                cross_cache: CrossKVCache | None = None, need_weights: bool = False):
+        """x: (B, T, D). `mask` None means plain causal attention (the fused kernel builds it)."""
+        weights, cross_weights = None, None
+
+        def attend(h: Tensor) -> Tensor:
+            nonlocal weights
+            h, weights = self.attn(h, mask=mask, positions=positions, cache=cache,
+                                   is_causal=mask is None and h.size(1) > 1, need_weights=need_weights)
+            return h
+
+        def attend_memory(h: Tensor) -> Tensor:
+            nonlocal cross_weights
+            h, cross_weights = self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache,
+                                               need_weights=need_weights)
+            return h
+
+        x = self.attn_residual(x, attend)
+        if self.cross_attn is not None:
+            x = self.cross_residual(x, attend_memory)
+        x = self.ffn_residual(x, self.ffn)
+        return x, weights, cross_weights

@@ -1,0 +1,43 @@
+"""Attention masks. Convention everywhere inside tformer: a bool tensor, True = may attend.
+
+Users pass Hugging Face style `attention_mask` (1 = real token, 0 = padding); `padding_mask`
+turns it into this convention. Masks broadcast against scores of shape (B, H, T_q, T_k).
+
+Causal mask for T = 4 (row = query i, column = key j; True where j <= i):
+
+    j: 0 1 2 3
+  i=0  1 0 0 0
+  i=1  1 1 0 0
+  i=2  1 1 1 0
+  i=3  1 1 1 1
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def causal_mask(t_q: int, t_k: int | None = None, device=None) -> Tensor:
+    """(T_q, T_k) lower-triangular mask. With a cache, T_k > T_q: query i is position i + T_k - T_q."""
+    t_k = t_q if t_k is None else t_k
+    q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    return torch.arange(t_k, device=device)[None, :] <= q_pos
+
+
+def padding_mask(attention_mask: Tensor) -> Tensor:
+    """HF (B, T_k) mask of 1/0 -> (B, 1, 1, T_k) bool, True on real tokens (the keys one may attend to)."""
+    return attention_mask.bool()[:, None, None, :]
+
+
+def combine(*masks: Tensor | None) -> Tensor | None:
+    """AND of the given masks (None = no constraint). Rows with no allowed key are opened fully so
+    softmax never sees a row of only -inf (that would give NaN); such rows belong to padding
+    queries whose outputs are ignored anyway."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    mask = present[0]
+    for m in present[1:]:
+        mask = mask & m
+    return mask | ~mask.any(dim=-1, keepdim=True)

@@ -1,0 +1,252 @@
+"""The three Transformer families of the seeds, built from the blocks in layers.py.
+
+    Encoder (BERT):            tokens -> embeddings -> N x [self-attention, FFN] -> contextual vectors
+    EncoderClassifier:         Encoder -> first token's vector -> dropout -> linear -> label logits
+    Decoder (GPT):             tokens -> embeddings -> N x [causal self-attention, FFN] -> logits over vocab
+    EncoderDecoder (2017, T5): source -> Encoder -> memory; target -> N x [causal self-attn,
+                               attention to memory, FFN] -> logits over vocab
+
+Shapes: B batch, T (target) length, S source length, D d_model, V vocab size.
+Models never pick a device or dtype: move them with .to(...) from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .attention import Cache, CrossKVCache, KVCache
+from .config import ModelConfig
+from .layers import DecoderLayer, EncoderLayer, make_norm
+from .masks import causal_mask, combine, padding_mask
+from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+
+
+class Embeddings(nn.Module):
+    """Token vector (x √D in the 2017 model) + position vector (+ segment vector in BERT) -> norm? -> dropout."""
+
+    def __init__(self, cfg: ModelConfig, token: nn.Embedding | None = None):
+        super().__init__()
+        self.token = token if token is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
+        if cfg.positional == "learned":
+            self.position = LearnedPositions(cfg.max_seq_len, cfg.d_model, cfg.position_offset)
+        elif cfg.positional == "sinusoidal":
+            self.position = SinusoidalPositions(cfg.max_seq_len, cfg.d_model, cfg.sinusoidal_layout)
+        else:
+            self.position = None  # RoPE acts inside attention instead
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        x = self.token(ids) * self.scale                                         # (B, T, D)
+        if self.position is not None:
+            x = x + self.position(positions)
+        if self.token_type is not None:
+            x = x + self.token_type(token_type_ids if token_type_ids is not None else torch.zeros_like(ids))
+        return self.dropout(self.norm(x))
+
+
+def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool) -> Tensor | None:
+    """Bool mask for self-attention over `offset` cached + `t` new positions, or None when the fused
+    kernel needs none (no padding, and causal-from-position-0 or a single new token)."""
+    if attention_mask is None and (not causal or offset == 0 or t == 1):
+        return None
+    causal_part = causal_mask(t, offset + t, device=attention_mask.device if attention_mask is not None else None) \
+        if causal else None
+    pad = padding_mask(attention_mask) if attention_mask is not None else None
+    return combine(causal_part, pad)
+
+
+def default_positions(t: int, offset: int, device) -> Tensor:
+    return torch.arange(offset, offset + t, device=device)
+
+
+def _rotary(cfg: ModelConfig) -> RotaryEmbedding | None:
+    return RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.positional == "rope" else None
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases; the projections that write into the
+    residual stream are scaled by 1/√(2·layers) so the stream's variance does not grow with depth."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
+            nn.init.normal_(p, std=std)
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            nn.init.ones_(m.weight)
+
+
+class Encoder(nn.Module):
+    """BERT-style encoder: every token attends to every (non-padding) token.
+    forward(input_ids (B, T), attention_mask (B, T) of 1/0) -> hidden states (B, T, D)."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        rotary = _rotary(cfg)
+        self.embed = Embeddings(cfg, token_embedding)
+        self.layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        if token_embedding is None:
+            init_weights(self, cfg.n_layers)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                return_attention: bool = False):
+        positions = default_positions(input_ids.size(1), 0, input_ids.device)
+        x = self.embed(input_ids, positions, token_type_ids)                    # (B, T, D)
+        mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False)
+        attentions = []
+        for layer in self.layers:
+            x, weights = layer(x, mask, positions, need_weights=return_attention)
+            attentions.append(weights)
+        x = self.norm(x)
+        return (x, attentions) if return_attention else x
+
+
+class EncoderClassifier(nn.Module):
+    """Sequence classification as in BERT: the first token's vector -> dropout -> linear -> logits.
+    (Softmax turns the logits into label probabilities; the loss applies it internally.)"""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None):
+        super().__init__()
+        if num_labels < 2:
+            raise ValueError(f"num_labels={num_labels} must be at least 2")
+        if labels is not None and len(labels) != num_labels:
+            raise ValueError(f"labels has {len(labels)} names but num_labels={num_labels}")
+        self.cfg, self.num_labels, self.labels = cfg, num_labels, labels
+        self.encoder = Encoder(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.head = nn.Linear(cfg.d_model, num_labels)
+        nn.init.normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                return_attention: bool = False):
+        out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
+        hidden, attentions = out if return_attention else (out, None)
+        logits = self.head(self.dropout(hidden[:, 0]))                           # (B, num_labels)
+        return (logits, attentions) if return_attention else logits
+
+
+class DecoderStack(nn.Module):
+    """Embeddings -> N decoder layers (causal self-attention, optional cross-attention, FFN) -> final norm."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, cross: bool, token_embedding: nn.Embedding | None = None):
+        super().__init__()
+        rotary = _rotary(cfg)
+        self.embed = Embeddings(cfg, token_embedding)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cross, rotary) for _ in range(n_layers))
+        self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: Cache | None = None, memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                return_attention: bool = False):
+        """ids: (B, T) new tokens; attention_mask: (B, cached + T) of 1/0 or None; memory: (B, S, D)."""
+        t, offset = ids.size(1), cache.length if cache is not None else 0
+        if positions is None:
+            positions = default_positions(t, offset, ids.device)
+        x = self.embed(ids, positions)                                           # (B, T, D)
+        mask = self_attention_mask(t, offset, attention_mask, causal=True)
+        self_attn, cross_attn = [], []
+        for i, layer in enumerate(self.layers):
+            x, weights, cross_weights = layer(
+                x, mask, positions,
+                cache=cache.layers[i] if cache is not None else None,
+                memory=memory, memory_mask=memory_mask,
+                cross_cache=cache.cross[i] if cache is not None and cache.cross else None,
+                need_weights=return_attention)
+            self_attn.append(weights)
+            cross_attn.append(cross_weights)
+        return self.norm(x), self_attn, cross_attn
+
+    def new_cache(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device, cross: bool) -> Cache:
+        layers = [KVCache(batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) for _ in self.layers]
+        return Cache(layers, [CrossKVCache() for _ in self.layers] if cross else None)
+
+
+def _cache_dtype(param: Tensor, dtype):
+    """The dtype K and V will have: the parameters' dtype, or the autocast dtype when autocast is on."""
+    if dtype is not None:
+        return dtype
+    device_type = param.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return param.dtype
+
+
+class Decoder(nn.Module):
+    """GPT-style decoder-only language model. forward(input_ids (B, T)) -> logits (B, T, V);
+    the logits at the last position give the distribution of the next token."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.stack = DecoderStack(cfg, cfg.n_layers, cross=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        init_weights(self, cfg.n_layers)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.stack.embed.token.weight
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
+                cache: Cache | None = None, return_attention: bool = False):
+        hidden, attentions, _ = self.stack(input_ids, attention_mask, positions, cache,
+                                           return_attention=return_attention)
+        logits = self.lm_head(hidden)                                            # (B, T, V)
+        return (logits, attentions) if return_attention else logits
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
+        """Preallocated KV cache for `batch_size` sequences of up to `max_len` positions."""
+        param = self.lm_head.weight
+        return self.stack.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
+                                    _cache_dtype(param, dtype), param.device, cross=False)
+
+
+class EncoderDecoder(nn.Module):
+    """The 2017 translation model: the encoder reads the source once; every decoder layer attends to
+    its output ("memory") while generating the target left to right. One token embedding is shared
+    by encoder, decoder and (when tied) the output layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Encoder(cfg, token_embedding=self.shared)
+        self.decoder = DecoderStack(cfg, cfg.decoder_layers, cross=True, token_embedding=self.shared)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        init_weights(self, cfg.n_layers + cfg.decoder_layers)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.shared.weight
+
+    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None, return_attention: bool = False):
+        """(B, S) source ids -> memory (B, S, D)."""
+        return self.encoder(src_ids, src_mask, return_attention=return_attention)
+
+    def decode(self, tgt_ids: Tensor, memory: Tensor, src_mask: Tensor | None = None,
+               tgt_mask: Tensor | None = None, positions: Tensor | None = None, cache: Cache | None = None,
+               return_attention: bool = False):
+        """(B, T) target ids so far + memory -> logits (B, T, V)."""
+        memory_mask = combine(padding_mask(src_mask)) if src_mask is not None else None
+        hidden, self_attn, cross_attn = self.decoder(tgt_ids, tgt_mask, positions, cache, memory, memory_mask,
+                                                     return_attention=return_attention)
+        logits = self.lm_head(hidden)
+        return (logits, self_attn, cross_attn) if return_attention else logits
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None, return_attention: bool = False):
+        if not return_attention:
+            return self.decode(tgt_ids, self.encode(src_ids, src_mask), src_mask, tgt_mask)
+        memory, enc_attn = self.encode(src_ids, src_mask, return_attention=True)
+        logits, dec_attn, cross_attn = self.decode(tgt_ids, memory, src_mask, tgt_mask, return_attention=True)
+        return logits, {"encoder": enc_attn, "decoder": dec_attn, "cross": cross_attn}
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
+        param = self.lm_head.weight
+        return self.decoder.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
+                                      _cache_dtype(param, dtype), param.device, cross=True)

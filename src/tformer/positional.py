@@ -1,0 +1,80 @@
+"""Positional encodings: how a Transformer, which sees a set of vectors, learns their order.
+
+- sinusoidal (2017): PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)),
+  added to the token embeddings; fixed, no parameters.
+- learned (GPT-2, BERT): a trainable table of max_seq_len rows, added to the token embeddings.
+- rotary, RoPE (Llama): nothing is added; instead Q and K are rotated by a position-dependent
+  angle per pair of dimensions, so QKᵀ depends on the *relative* offset of the two tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal_table(n_positions: int, dim: int, layout: str = "interleaved") -> Tensor:
+    """(n_positions, dim) table of the 2017 formula.
+
+    layout="interleaved" puts sin on even and cos on odd dimensions (the paper);
+    layout="split" puts all sines in the first half and all cosines in the second (Marian, fairseq).
+    """
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]               # (P, 1)
+    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (D/2,)
+    angles = pos * inv_freq                                                      # (P, D/2)
+    table = torch.empty(n_positions, dim, dtype=torch.float64)
+    if layout == "interleaved":
+        table[:, 0::2], table[:, 1::2] = angles.sin(), angles.cos()
+    else:
+        half = dim // 2
+        table[:, :half], table[:, half:] = angles.sin(), angles.cos()
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal position vectors, looked up by position index."""
+
+    def __init__(self, n_positions: int, dim: int, layout: str = "interleaved"):
+        super().__init__()
+        # Not a parameter and not saved: it is a formula, recomputed at build time.
+        self.register_buffer("table", sinusoidal_table(n_positions, dim, layout), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.table[positions]                                             # (..., T, D)
+
+
+class LearnedPositions(nn.Module):
+    """A trainable vector per position. `offset` skips reserved rows (BART stores 2 extra)."""
+
+    def __init__(self, n_positions: int, dim: int, offset: int = 0):
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(n_positions + offset, dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.weight[positions + self.offset]                              # (..., T, D)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the "rotate half" form used by Llama in Hugging Face: dimension i is paired with
+    i + head_dim/2, and each pair is rotated by angle pos * theta^(-2i/head_dim)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq  # (P, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)                                    # (P, hd)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: (B, H, T, hd); positions: (T,) or (B, T)."""
+        cos, sin = self.cos[positions], self.sin[positions]                     # (T, hd) or (B, T, hd)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]                               # (B, 1, T, hd)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x * cos + rotated * sin).to(x.dtype)
