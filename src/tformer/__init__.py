@@ -4,6 +4,7 @@ from .attention import Cache, KVCache, MultiHeadAttention, attention
 from .checkpoint import load, save
 from .config import PRESETS, ModelConfig, preset
 from .errors import CheckpointError, ConfigError, DataError, TformerError
+from .hf import from_hf, to_hf  # needs only torch + safetensors; transformers is never imported
 from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
 
 __version__ = "0.1.0"
@@ -12,6 +13,6 @@ __all__ = [
     "ModelConfig", "PRESETS", "preset",
     "Encoder", "EncoderClassifier", "Decoder", "EncoderDecoder",
     "MultiHeadAttention", "KVCache", "Cache", "attention",
-    "save", "load",
+    "save", "load", "from_hf", "to_hf",
     "TformerError", "ConfigError", "CheckpointError", "DataError",
 ]

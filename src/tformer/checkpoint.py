@@ -132,11 +132,17 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path} is not a directory (pass a checkpoint or run directory)")
     if (path / CONFIG).exists():
         return path
-    ckpts = sorted((p for p in (path / "checkpoints").glob("step-*") if (p / CONFIG).exists()), reverse=True) \
+    ckpts = [p for p in (path / "checkpoints").glob("step-*") if (p / CONFIG).exists()] \
         if (path / "checkpoints").is_dir() else []
     if ckpts:
-        return ckpts[0]
+        return max(ckpts, key=_step_number)
     raise CheckpointError(f"{path} is not a tformer checkpoint: no {CONFIG} and no checkpoints/step-* inside")
+
+
+def _step_number(path: Path) -> tuple[int, str]:
+    """Sort key of `step-N` directories: by N as a number (step-9 before step-10), then by name."""
+    digits = path.name.removeprefix("step-")
+    return (int(digits) if digits.isdigit() else -1, path.name)
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -175,6 +181,8 @@ def build(data: dict[str, Any]) -> nn.Module:
         raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no 'config' section") from None
     cls = ARCHITECTURES[data["architecture"]]
     if cls is EncoderClassifier:
+        if not isinstance(data.get("num_labels"), int):
+            raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an EncoderClassifier")
         return cls(cfg, data["num_labels"], data.get("labels"))
     return cls(cfg)
 
@@ -216,7 +224,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None) -> n
     eval mode; move it with `device` or `.to(...)`."""
     data = read_config(path)
     ckpt = Path(data["_dir"])
-    verify_files(ckpt, data.get("files") or {})
+    files = data.get("files") or {}
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{ckpt / CONFIG}: 'files' must map file names to sha256 checksums")
+    verify_files(ckpt, files)
     if not (ckpt / WEIGHTS).exists():
         raise CheckpointError(f"{ckpt / WEIGHTS} is missing")
     model = build(data)

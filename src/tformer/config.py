@@ -101,12 +101,21 @@ class ModelConfig:
             raise ConfigError(f"positional='rope' needs an even head size, got d_model/n_heads={self.head_dim}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1)")
+        for name in ("norm_eps", "rope_theta"):
+            if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
+        for name in ("bias", "tie_embeddings", "embed_scale", "embedding_norm", "lm_head_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.n_decoder_layers is not None and self.kind != "encoder-decoder":
             raise ConfigError("n_decoder_layers is only used when kind='encoder-decoder'")
-        if self.type_vocab_size < 0 or self.position_offset < 0:
-            raise ConfigError("type_vocab_size and position_offset must be >= 0")
+        for name in ("type_vocab_size", "position_offset", "pad_token_id", "bos_token_id", "eos_token_id",
+                     "decoder_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
 
     # --- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -138,6 +147,10 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Presets: plain data. `tiny` is for tests; the others have the shapes of well-known models.

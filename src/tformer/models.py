@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
+from .generation import GenerationMixin
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .masks import causal_mask, combine, padding_mask
 from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
@@ -50,13 +51,13 @@ class Embeddings(nn.Module):
         return self.dropout(self.norm(x))
 
 
-def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool) -> Tensor | None:
+def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool,
+                        device=None) -> Tensor | None:
     """Bool mask for self-attention over `offset` cached + `t` new positions, or None when the fused
     kernel needs none (no padding, and causal-from-position-0 or a single new token)."""
     if attention_mask is None and (not causal or offset == 0 or t == 1):
         return None
-    causal_part = causal_mask(t, offset + t, device=attention_mask.device if attention_mask is not None else None) \
-        if causal else None
+    causal_part = causal_mask(t, offset + t, device=device) if causal else None
     pad = padding_mask(attention_mask) if attention_mask is not None else None
     return combine(causal_part, pad)
 
@@ -101,7 +102,7 @@ class Encoder(nn.Module):
                 return_attention: bool = False):
         positions = default_positions(input_ids.size(1), 0, input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)                    # (B, T, D)
-        mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False)
+        mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False, device=input_ids.device)
         attentions = []
         for layer in self.layers:
             x, weights = layer(x, mask, positions, need_weights=return_attention)
@@ -153,7 +154,7 @@ class DecoderStack(nn.Module):
         if positions is None:
             positions = default_positions(t, offset, ids.device)
         x = self.embed(ids, positions)                                           # (B, T, D)
-        mask = self_attention_mask(t, offset, attention_mask, causal=True)
+        mask = self_attention_mask(t, offset, attention_mask, causal=True, device=ids.device)
         self_attn, cross_attn = [], []
         for i, layer in enumerate(self.layers):
             x, weights, cross_weights = layer(
@@ -176,12 +177,12 @@ def _cache_dtype(param: Tensor, dtype):
     if dtype is not None:
         return dtype
     device_type = param.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return param.dtype
+    return param.dtype                     # also for devices without autocast (meta: shape-only runs)
 
 
-class Decoder(nn.Module):
+class Decoder(GenerationMixin, nn.Module):
     """GPT-style decoder-only language model. forward(input_ids (B, T)) -> logits (B, T, V);
     the logits at the last position give the distribution of the next token."""
 
@@ -208,7 +209,7 @@ class Decoder(nn.Module):
                                     _cache_dtype(param, dtype), param.device, cross=False)
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(GenerationMixin, nn.Module):
     """The 2017 translation model: the encoder reads the source once; every decoder layer attends to
     its output ("memory") while generating the target left to right. One token embedding is shared
     by encoder, decoder and (when tied) the output layer."""

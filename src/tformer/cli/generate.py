@@ -1,13 +1,115 @@
-"""`tformer generate` (placeholder until its issue lands)."""
+"""`tformer generate`: continue a prompt with a trained model, streaming the text to stdout.
+
+    tformer generate --model runs/shakespeare --prompt "To be, or not" --max-new-tokens 200 --seed 0
+    echo "ROMEO:" | tformer generate --model runs/shakespeare --prompt - --stop $'\\n\\n'
+
+Sampling defaults: temperature 0.8, top-k 50, top-p 0.95 (a common balance between variety and
+coherence); --greedy picks the most likely token each step; --num-beams N runs beam search.
+"""
+
+from __future__ import annotations
+
+import sys
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
+
+DEFAULTS = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help=COMMANDS["generate"], description=COMMANDS["generate"])
+    p = sub.add_parser("generate", help=COMMANDS["generate"],
+                       description=COMMANDS["generate"] + ", streaming the text to stdout",
+                       epilog="Sampling defaults: --temperature 0.8 --top-k 50 --top-p 0.95.")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint directory or run directory (its newest checkpoint); must contain tokenizer.json")
+    p.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}, or fewer if the model's "
+                        f"context is full before)")
+    p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], metavar="T",
+                   help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
+                        "(default %(default)s)")
+    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], metavar="K",
+                   help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], metavar="P",
+                   help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
+                        "(default %(default)s)")
+    p.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="drop tokens less likely than P times the most likely one (default off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical (default 1)")
+    p.add_argument("--num-beams", type=int, default=1, metavar="N",
+                   help="beam search with N beams: the most likely continuation; sampling flags are ignored and the "
+                        "text is printed at the end (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed: the same seed gives the same text (default: random)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when the generated text contains STR (not printed); repeatable")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
+    p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt before it")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise TformerError("`tformer generate` is not available yet")
+    import torch
+
+    from tformer.checkpoint import load
+    from tformer.errors import TformerError
+    from tformer.generation import generate, stream_text
+    from tformer.models import Decoder, EncoderDecoder
+    from tformer.tokenizers import load_tokenizer
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model = load(args.model)
+    if not isinstance(model, (Decoder, EncoderDecoder)):
+        raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
+                           f"(use a Decoder or EncoderDecoder checkpoint)")
+    tokenizer = load_tokenizer(args.model)
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default never overflows the context; an explicit value is checked instead
+        used = 1 if isinstance(model, EncoderDecoder) else max(len(tokenizer.encode(prompt)), 1)
+        max_new = max(0, min(DEFAULTS["max_new_tokens"], model.cfg.max_seq_len - used))
+    options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
+                   eos_token_id=_eos(model, tokenizer))
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    # Build the generator (which checks every argument) before printing anything.
+    if args.num_beams > 1:
+        pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate)])
+    else:
+        pieces = stream_text(model, tokenizer, prompt, stop_strings=args.stop, generator=generator, **options)
+    out = sys.stdout
+    if not args.no_echo and isinstance(model, Decoder):
+        out.write(prompt)
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def _eos(model, tokenizer) -> list[int]:
+    eos = model.cfg.eos_token_id if model.cfg.eos_token_id is not None else tokenizer.eos_id
+    return [] if eos is None else [eos]
+
+
+def _beam_text(model, tokenizer, prompt, stops, generator, options, generate) -> str:
+    """Beam search, then the best hypothesis's new text, cut before the first stop string."""
+    import torch
+
+    from tformer.generation import TextStream
+
+    ids = torch.tensor([tokenizer.encode(prompt) or ([tokenizer.bos_id] if tokenizer.bos_id is not None else [])])
+    if ids.numel() == 0:
+        from tformer.errors import ConfigError
+        raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")
+    seqs = generate(model, ids, stop_strings=stops or None, tokenizer=tokenizer, generator=generator, **options)
+    start = 1 if hasattr(model, "encode") else ids.size(1)
+    new = seqs[0, start:].tolist()
+    ends = [i for i, t in enumerate(new) if t in options["eos_token_id"]]
+    new = new[:ends[0]] if ends else new
+    text = TextStream(tokenizer, stops)
+    return text.push(new) + text.finish()

@@ -1,4 +1,12 @@
-"""`tformer import-hf` (placeholder until its issue lands)."""
+"""`tformer import-hf SRC DST`: a Hugging Face model directory -> a tformer checkpoint.
+
+    tformer import-hf path/to/all-MiniLM-L6-v2 runs/minilm       # BERT -> Encoder (+ tokenizer.json)
+    tformer import-hf path/to/gpt2 runs/gpt2 --force              # replace an existing DST
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 from tformer.cli import COMMANDS
 from tformer.errors import TformerError
@@ -6,8 +14,35 @@ from tformer.errors import TformerError
 
 def register(sub) -> None:
     p = sub.add_parser("import-hf", help=COMMANDS["import-hf"], description=COMMANDS["import-hf"])
+    p.add_argument("src", metavar="SRC", help="Hugging Face model directory (config.json + model.safetensors or "
+                   "pytorch_model.bin; model_type gpt2, bert, marian, bart or llama)")
+    p.add_argument("dst", metavar="DST", help="directory for the tformer checkpoint (created)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists and is not empty")
     p.set_defaults(func=run)
 
 
+def check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Never overwrite what the user has, unless asked; never replace the source with its copy."""
+    if dst.exists() and not dst.is_dir():
+        raise TformerError(f"{dst} exists and is not a directory (choose another DST)")
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise TformerError(f"DST {dst} is the same directory as SRC (choose another DST)")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise TformerError(f"{dst} exists and is not empty (pass --force to replace it)")
+
+
 def run(args) -> int:
-    raise TformerError("`tformer import-hf` is not available yet")
+    from tformer.checkpoint import save
+    from tformer.hf import from_hf, load_hf_tokenizer, read_hf_config
+
+    src, dst = Path(args.src), Path(args.dst)
+    check_destination(src, dst, args.force)
+    model = from_hf(src)
+    tokenizer = load_hf_tokenizer(src)
+    model_type = read_hf_config(src)["model_type"]
+    save(model, dst, tokenizer=tokenizer, meta={"source": "huggingface", "hf_model_type": model_type,
+                                                "hf_dir": str(src.resolve())})
+    n = sum(p.numel() for p in model.parameters())
+    extra = " + tokenizer.json" if tokenizer is not None else ""
+    print(f"imported {model_type} as {type(model).__name__} ({n / 1e6:.2f}M parameters){extra}: {dst}")
+    return 0

@@ -1,13 +1,160 @@
-"""`tformer train` (placeholder until its issue lands)."""
+"""`tformer train`: train a language model (default), classifier or translator.
+
+    tformer train                                   # char-level GPT on the built-in hamlet, preset small
+    tformer train --data my.txt --tokenizer bpe --vocab-size 2000 --time-budget 600
+    tformer train --resume runs/lm-20250101-120000  # continue an interrupted run
+    torchrun --nproc_per_node 2 -m tformer train --max-steps 1000   # DDP (gloo on CPU, nccl on GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
+from tformer.errors import ConfigError
+
+# Flags that may change when a run is resumed; everything else comes from the saved run.
+RESUMABLE = ("max_steps", "time_budget", "save_every", "eval_every", "log_every", "keep", "stop_at", "progress",
+             "device")
+
+
+def _number(kind, low: float, inclusive: bool = True, what: str = "number"):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {what}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+        if value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>=' if inclusive else '>'} {low:g}")
+        return value
+    return parse
+
+
+positive_int = _number(int, 1, what="positive integer")
+nonneg_int = _number(int, 0, what="non-negative integer")
+positive_float = _number(float, 0.0, inclusive=False)
+nonneg_float = _number(float, 0.0)
+
+
+def fraction(text: str) -> float:
+    value = _number(float, 0.0, inclusive=False)(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be below 1")
+    return value
+
+
+def dropout(text: str) -> float:
+    value = nonneg_float(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
+    return value
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
-    p.set_defaults(func=run)
+    from tformer.train import TASKS, task_class
+
+    p = sub.add_parser("train", help=COMMANDS["train"], description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--task", default="lm", choices=list(TASKS), help="what to learn (default: lm, a language model)")
+    a("--data", default=None, help="built-in corpus name (lm: hamlet) or a file (.txt; .csv/.tsv/.jsonl for "
+      "classify/translate); default: the task's built-in data")
+    a("--preset", default=None, help="model shape from tformer.PRESETS (default for lm: small)")
+    a("--tokenizer", default="char", choices=("char", "bpe"), help="character-level, or byte-level BPE trained on the data")
+    a("--vocab-size", type=positive_int, default=2000, help="BPE vocabulary size (default 2000)")
+    a("--context", type=positive_int, default=None, help="tokens per training window (default: the preset's max_seq_len)")
+    a("--dropout", type=dropout, default=None, help="dropout probability (default: the preset's)")
+    a("--val-fraction", type=fraction, default=0.1, help="share of the data held out for validation (default 0.1)")
+    a("--init", default=None, metavar="DIR", help="start from the weights (and tokenizer) of this checkpoint")
+    a("--out", default=None, metavar="DIR", help="run directory (default runs/<task>-<date>-<time>)")
+    a("--resume", default=None, metavar="DIR", help="continue the run in DIR (a run or checkpoint directory)")
+    a("--max-steps", type=positive_int, default=None, help="optimizer steps to train")
+    a("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+      help="train for this long; the learning-rate schedule is laid over it (default 300 when no --max-steps)")
+    a("--stop-at", type=positive_int, default=None, metavar="STEP",
+      help="stop with a checkpoint after STEP, keeping the schedule of the full run (resume later)")
+    a("--batch-size", type=positive_int, default=32, help="global batch: sequences per optimizer step (default 32)")
+    a("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    a("--lr", type=positive_float, default=1e-3, help="peak learning rate (default 1e-3)")
+    a("--min-lr-ratio", type=nonneg_float, default=0.1, help="final lr as a share of --lr (default 0.1)")
+    a("--warmup", type=nonneg_int, default=100, help="linear warm-up steps (default 100)")
+    a("--weight-decay", type=nonneg_float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
+    a("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm, 0 = off (default 1.0)")
+    a("--precision", default="bf16", choices=("fp32", "bf16"), help="bf16 autocast (default) or fp32")
+    a("--eval-every", type=positive_int, default=250, help="validate (and print a sample) every N steps")
+    a("--save-every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
+    a("--keep", type=positive_int, default=3, help="checkpoints to keep (default 3)")
+    a("--log-every", type=positive_int, default=10, help="write train loss to metrics.jsonl every N steps")
+    a("--seed", type=nonneg_int, default=0, help="random seed (data order, init, dropout)")
+    a("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
+    a("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun)")
+    a("--compile", action="store_true", help="torch.compile the model (slow start, faster steps)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    for name in TASKS:
+        try:
+            task_class(name).add_arguments(p)
+        except ConfigError:
+            pass  # a task that is not installed adds no flags; choosing it reports why
+    p.set_defaults(func=run, _parser=p)
+
+
+def explicit_args(args, parser) -> set[str]:
+    return {k for k, v in vars(args).items() if not k.startswith("_") and v != parser.get_default(k)}
+
+
+def settings(args) -> tuple[argparse.Namespace, str | None]:
+    """The effective arguments: on --resume, the saved run's, updated with the flags given now."""
+    if not args.resume:
+        return args, None
+    from tformer.loop import read_trainer_state, run_dir_of
+
+    ckpt, state = read_trainer_state(args.resume)
+    given = explicit_args(args, args._parser) - {"resume", "out"}
+    clash = sorted(given - set(RESUMABLE) - {"debug", "command", "func"})
+    if clash:
+        raise ConfigError(f"--resume continues the saved run; these flags cannot change: "
+                          f"{', '.join('--' + c.replace('_', '-') for c in clash)}")
+    merged = argparse.Namespace(**{**vars(args), **state.get("args", {}), **{k: getattr(args, k) for k in given}})
+    merged.out, merged.resume = str(run_dir_of(ckpt)), str(ckpt)
+    return merged, str(ckpt)
 
 
 def run(args) -> int:
-    raise TformerError("`tformer train` is not available yet")
+    from tformer.train import TrainConfig, fit, task_class
+
+    args, resume = settings(args)
+    if args.max_steps is None and args.time_budget is None:
+        args.time_budget = 300.0
+    if args.out is None:
+        args.out = f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cls = task_class(args.task)
+    if args.preset is None:
+        args.preset = "small"
+    if args.data is None:
+        args.data = getattr(cls, "default_data", "hamlet")
+    cfg = TrainConfig(out=args.out, max_steps=args.max_steps, time_budget=args.time_budget,
+                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                      min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
+                      grad_clip=args.grad_clip, precision=args.precision, eval_every=args.eval_every,
+                      save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
+                      device=args.device, fsdp=args.fsdp, compile=args.compile, stop_at=args.stop_at,
+                      progress=args.progress)
+    cfg.check()
+    tokenizer = None
+    if resume:
+        from tformer.tokenizers import load_tokenizer
+        tokenizer = load_tokenizer(resume)
+    task = cls(args, tokenizer=tokenizer, init=None if resume else args.init)
+    saved = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
+    result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
+    best = result["best_val_loss"]
+    print(f"{result['reason']}: step {result['step']}, {result['elapsed']:.0f} s"
+          + (f", best val_loss {best:.4f}" if best is not None else ""))
+    print(f"checkpoint: {result['checkpoint']}")
+    print(f"metrics:    {result['run_dir']}/metrics.jsonl   plot: {result['run_dir']}/loss.png")
+    return 130 if result["reason"] == "interrupted" else 0

@@ -1,0 +1,148 @@
+"""Shared pieces of the benchmarks: timing, the machine's ceilings, and building both peers from
+the same Hugging Face weights.
+
+Method (DESIGN.md §5): every figure is a ratio of two peers timed side by side in one process, on
+the same weights, after warm-up, as the median of several repeats; the machine's own limits (GEMM
+GFLOP/s, memory read GB/s) are measured in the same run so utilisation is comparable too.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], device: str, repeats: int = 5, warmup: int = 1,
+                min_time: float = 0.0) -> float:
+    """Median wall time of fn() in seconds, after `warmup` untimed calls. With `min_time`, keeps
+    repeating (at least `repeats` times) until that much time was spent, so fast calls get a
+    stable median too."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], device: str, repeats: int = 3,
+                      warmup: int = 1) -> dict[str, float]:
+    """Median time of each fn, with the peers' runs interleaved (a, b, a, b, ...) so that a burst of
+    load from other processes hits both peers alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def machine_info(device: str) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+            "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# --- ceilings ------------------------------------------------------------------------------------
+
+def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str, min_time: float = 0.3) -> float:
+    """Measured GFLOP/s of one (m, k) @ (k, n) matmul with torch.matmul."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    seconds = median_time(lambda: torch.matmul(a, b), device, repeats=3, warmup=2, min_time=min_time)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def read_bandwidth(device: str, mbytes: int = 512, min_time: float = 0.3) -> float:
+    """Measured memory read GB/s: summing a tensor far larger than the caches reads every byte once."""
+    x = torch.ones(mbytes * 2**20 // 4, device=device)
+    seconds = median_time(lambda: x.sum(), device, repeats=3, warmup=1, min_time=min_time)
+    return x.numel() * 4 / seconds / 1e9
+
+
+def measure_ceilings(device: str, quick: bool) -> dict:
+    """GEMM peaks at the shapes the benchmarks run (a training-step GEMM and a square one), fp32 and
+    bf16, and memory read bandwidth."""
+    size = 512 if quick else 1024
+    t = 0.1 if quick else 0.3
+    out = {"read_GBps": read_bandwidth(device, 256 if quick else 1024, t)}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        square = gemm_gflops(size, size, size, dtype, device, t)
+        train = gemm_gflops(4096 if not quick else 1024, 384, 1536, dtype, device, t)
+        out[f"gemm_{name}_GFLOPs"] = max(square, train)
+    return out
+
+
+# --- peers from the same weights ----------------------------------------------------------------
+
+def from_hf_model(hf_model) -> torch.nn.Module:
+    """The tformer model holding exactly the weights of `hf_model`, converted by `tformer.from_hf`
+    (the same path users take: save_pretrained, then import the directory)."""
+    from tformer import from_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        return from_hf(tmp)
+
+
+def hf_gpt2(n_layers: int, d_model: int, n_heads: int, vocab: int, n_positions: int, seed: int = 0):
+    """A randomly initialised Hugging Face GPT2LMHeadModel of the given shape, in eval mode, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layers, n_embd=d_model, n_head=n_heads, vocab_size=vocab,
+                     n_positions=n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def param_count(model: torch.nn.Module) -> int:
+    """Parameters, each shared tensor counted once (tied embeddings)."""
+    seen = {p.data_ptr(): p.numel() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    seen.update({b.data_ptr(): b.numel() * b.element_size() for b in model.buffers()})
+    return sum(seen.values())

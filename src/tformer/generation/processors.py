@@ -1,0 +1,91 @@
+"""Logits processors: small pure functions over a batch of next-token logits (B, V).
+
+Generation turns the logits at the last position into a distribution and picks a token:
+
+    logits -> repetition penalty -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
+                                                                          \-> argmax (greedy)
+
+Each filter sets the logits of removed tokens to -inf, so softmax gives them probability 0.
+Semantics (ties, "at least one token survives") equal Hugging Face's warpers of the same names;
+the tests compare them on random logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Make tokens already in the sequence less likely (CTRL paper): a positive logit is divided by
+    `penalty`, a negative one multiplied, so both move down when penalty > 1. seen: (B, V) bool."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(z / t): t < 1 sharpens the distribution towards the top token, t > 1 flattens it."""
+    return logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int, min_tokens_to_keep: int = 1) -> Tensor:
+    """Keep the k highest logits. Tokens tied with the k-th value are kept too (as in HF)."""
+    k = min(max(k, min_tokens_to_keep), logits.size(-1))
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]                        # (B, 1)
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def top_p_filter(logits: Tensor, p: float, min_tokens_to_keep: int = 1) -> Tensor:
+    """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches p.
+
+    Sorting ascending, a token is dropped when the probability mass up to and including it is
+    <= 1 - p: the tokens left above it still hold at least p. The most likely token always stays."""
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)        # (B, V) ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1 - p)
+    drop_sorted[..., -min_tokens_to_keep:] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)                           # back to vocabulary order
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def min_p_filter(logits: Tensor, min_p: float, min_tokens_to_keep: int = 1) -> Tensor:
+    """Keep tokens whose probability is at least min_p times the top token's probability."""
+    probs = logits.softmax(dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    keep = torch.topk(probs, min(min_tokens_to_keep, probs.size(-1)), dim=-1).indices
+    drop.scatter_(-1, keep, False)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """(B, V) -> (B,) the most likely token of each row."""
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(B, V) -> (B,) one token per row drawn from softmax(logits), using `generator` only."""
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def process_logits(logits: Tensor, seen: Tensor | None = None, *, do_sample: bool = False,
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+                   min_p: float | None = None, repetition_penalty: float = 1.0,
+                   min_tokens_to_keep: int = 1) -> Tensor:
+    """The whole chain, in HF's order. The warpers (temperature, top-k, top-p, min-p) only act when
+    sampling; greedy and beam search only see the repetition penalty."""
+    if repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if not do_sample:
+        return logits
+    if temperature != 1.0:
+        logits = apply_temperature(logits, temperature)
+    if top_k and top_k < logits.size(-1):
+        logits = top_k_filter(logits, top_k, min_tokens_to_keep)
+    if top_p < 1.0:
+        logits = top_p_filter(logits, top_p, min_tokens_to_keep)
+    if min_p is not None and min_p > 0:
+        logits = min_p_filter(logits, min_p, min_tokens_to_keep)
+    return logits

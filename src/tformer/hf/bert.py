@@ -1,0 +1,89 @@
+"""BERT (`BertModel`) <-> tformer `Encoder`: post-LN, learned + token-type embeddings with a
+LayerNorm after them, GELU. Q, K, V are fused into qkv_proj.
+
+Not part of `Encoder`, so dropped on import (declared in IGNORED, never silently): the pooler
+(tanh(dense(first token)), used by next-sentence pre-training) and the pre-training heads `cls.*`.
+On export no pooler is written: load with `BertModel.from_pretrained(dir, add_pooling_layer=False)`
+(plain `AutoModel` works too and initialises a fresh pooler, as it says in its warning).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..models import Encoder
+from .keymap import ACT_TO_HF, Rule, hf_activation, layer_rules, mismatches, refuse_unless, settings, token_id
+
+MODEL_TYPE = "bert"
+ARCHITECTURE = "BertModel"
+PREFIX = "bert."                       # BertFor* files nest the encoder under bert.; BertModel has none
+EXPORT_PREFIX = ""
+HEAD_KEYS = ()
+IGNORED = {
+    r"pooler\.dense\.(weight|bias)": "the pooler (tanh over the first token) is not part of Encoder",
+    r"cls\..*": "pre-training heads (masked LM, next sentence) are not part of Encoder",
+    r"embeddings\.(position_ids|token_type_ids)": "index buffers, rebuilt at run time",
+}
+DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                intermediate_size=3072, hidden_act="gelu", hidden_dropout_prob=0.1, max_position_embeddings=512,
+                type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0, is_decoder=False,
+                add_cross_attention=False, position_embedding_type="absolute", bos_token_id=None, eos_token_id=None)
+
+LAYER = [
+    ("attn.qkv_proj.weight", ("attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight")),
+    ("attn.qkv_proj.bias", ("attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias")),
+    ("attn.out_proj.weight", "attention.output.dense.weight"), ("attn.out_proj.bias", "attention.output.dense.bias"),
+    ("attn_residual.norm.weight", "attention.output.LayerNorm.weight"),
+    ("attn_residual.norm.bias", "attention.output.LayerNorm.bias"),
+    ("ffn.up.weight", "intermediate.dense.weight"), ("ffn.up.bias", "intermediate.dense.bias"),
+    ("ffn.down.weight", "output.dense.weight"), ("ffn.down.bias", "output.dense.bias"),
+    ("ffn_residual.norm.weight", "output.LayerNorm.weight"), ("ffn_residual.norm.bias", "output.LayerNorm.bias"),
+]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    s = settings(hf, DEFAULTS)
+    refuse_unless(s["position_embedding_type"] == "absolute", "bert",
+                  f"position_embedding_type={s['position_embedding_type']!r}")
+    refuse_unless(not s["is_decoder"] and not s["add_cross_attention"], "bert", "is_decoder/add_cross_attention")
+    return ModelConfig(
+        kind="encoder", vocab_size=s["vocab_size"], d_model=s["hidden_size"], n_heads=s["num_attention_heads"],
+        n_layers=s["num_hidden_layers"], d_ff=s["intermediate_size"], max_seq_len=s["max_position_embeddings"],
+        dropout=float(s["hidden_dropout_prob"]), norm_position="post", positional="learned",
+        activation=hf_activation(s["hidden_act"], "hidden_act", "bert"), norm="layernorm",
+        norm_eps=s["layer_norm_eps"], bias=True, embedding_norm=True, type_vocab_size=s["type_vocab_size"],
+        pad_token_id=s["pad_token_id"], bos_token_id=token_id(s["bos_token_id"], "bos_token_id", "bert"),
+        eos_token_id=token_id(s["eos_token_id"], "eos_token_id", "bert"))
+
+
+def fits(cfg: ModelConfig) -> list[str]:
+    return mismatches(cfg, dict(kind="encoder", norm_position="post", positional="learned", norm="layernorm",
+                                bias=True, embed_scale=False, embedding_norm=True, position_offset=0,
+                                type_vocab_size=lambda n: n >= 1, activation=lambda a: a in ACT_TO_HF,
+                                n_kv_heads=lambda n: n is None or n == cfg.n_heads))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    return dict(model_type=MODEL_TYPE, architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size,
+                hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                intermediate_size=cfg.ffn_dim, hidden_act=ACT_TO_HF[cfg.activation],
+                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+                max_position_embeddings=cfg.max_seq_len, type_vocab_size=cfg.type_vocab_size,
+                layer_norm_eps=cfg.norm_eps, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
+                eos_token_id=cfg.eos_token_id, is_decoder=False, add_cross_attention=False)
+
+
+def build(cfg: ModelConfig) -> Encoder:
+    return Encoder(cfg)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    out = [Rule("embed.token.weight", ("embeddings.word_embeddings.weight",)),
+           Rule("embed.position.weight", ("embeddings.position_embeddings.weight",)),
+           Rule("embed.token_type.weight", ("embeddings.token_type_embeddings.weight",)),
+           Rule("embed.norm.weight", ("embeddings.LayerNorm.weight",)),
+           Rule("embed.norm.bias", ("embeddings.LayerNorm.bias",))]
+    return out + layer_rules(LAYER, "layers.", "encoder.layer.", cfg.n_layers)
+
+
+def copies(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    return []

@@ -1,0 +1,384 @@
+"""The training loop behind `tformer.train.fit`: distributed set-up, the step, validation,
+metrics, checkpoints and resume. See train.py for the Task protocol and the run-directory layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import _aliases, load_state, read_safetensors, resolve, save
+from .errors import CheckpointError
+from .train import (Task, TrainConfig, autocast, load_optimizer_tensors, lr_at, make_optimizer,
+                    micro_batches, optimizer_tensors, pick_device, progress_of)
+
+STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.safetensors"
+RNG = "rng.safetensors"
+STEP_DIR = re.compile(r"step-\d{7}")
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:07d}"
+
+
+def read_trainer_state(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint dir, trainer_state.json) of a training checkpoint or run directory."""
+    ckpt = resolve(path)
+    if not (ckpt / STATE).is_file():
+        raise CheckpointError(f"{ckpt} holds a model but no training state ({STATE}); "
+                              "use --init to start a new run from it instead of --resume")
+    try:
+        return ckpt, json.loads((ckpt / STATE).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{ckpt / STATE} is corrupt ({e})") from None
+
+
+def run_dir_of(ckpt: Path) -> Path:
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+
+
+class Dist:
+    """This process's place under torchrun (rank, world size); world 1 without torchrun."""
+
+    def __init__(self, device_pref: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.owned = False
+        if self.world > 1 and not torch.distributed.is_initialized():
+            cuda = device_pref in ("auto", "cuda") and torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(self.local_rank)
+            torch.distributed.init_process_group("nccl" if cuda else "gloo")
+            self.owned = True
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def max(self, values: list[float], device) -> list[float]:
+        """Element-wise max over processes (so all agree on the clock and on stopping)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.tolist()
+
+    def mean(self, value: float, device) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        return t.item() / self.world
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.owned:
+            torch.distributed.destroy_process_group()
+
+
+class Trainer:
+    def __init__(self, task: Task, cfg: TrainConfig, command: list[str] | None = None,
+                 args: dict[str, Any] | None = None):
+        self.task, self.cfg = task, cfg
+        self.command = command if command is not None else list(sys.argv)
+        self.args = args or {}
+        self.run_dir = Path(cfg.out)
+        self.stop_requested = False
+
+    # --- set-up --------------------------------------------------------------------------
+    def _build(self, resume: str | None) -> dict[str, Any]:
+        cfg, task = self.cfg, self.task
+        self.device = pick_device(cfg.device, self.dist.local_rank)
+        torch.manual_seed(cfg.seed)
+        self.plain = task.build_model()
+        state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "warm_elapsed": None, "best_val_loss": None,
+                                 "tokens": 0}
+        opt_saved = None
+        if resume:
+            ckpt, saved = read_trainer_state(resume)
+            load_state(self.plain, read_safetensors(ckpt / "model.safetensors"), str(ckpt))
+            opt_saved = (read_safetensors(ckpt / OPTIMIZER), saved["optimizer_groups"], str(ckpt / OPTIMIZER))
+            state.update({k: saved[k] for k in state})
+        self.plain.to(self.device)
+        self.model = self._wrap(self.plain)
+        self.opt, self.names = make_optimizer(self.model, cfg)
+        if opt_saved is not None:
+            tensors, groups, source = opt_saved
+            if cfg.fsdp:
+                tensors = self._shard_like_params(tensors)
+            load_optimizer_tensors(self.opt, self.names, tensors, groups, source)
+        self.train_model = torch.compile(self.model) if cfg.compile else self.model
+        return state
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.cfg.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            if self.dist.world == 1 and not torch.distributed.is_initialized():
+                raise CheckpointError("--fsdp needs torchrun (e.g. torchrun --nproc_per_node 2 -m tformer train ...)")
+            for layer in (m for m in model.modules() if type(m).__name__.endswith("Layer")):
+                fully_shard(layer)
+            return fully_shard(model)
+        if self.dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return model
+
+    def _shard_like_params(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = dict(self.model.named_parameters())
+        out = {}
+        for key, t in tensors.items():
+            p = params.get(key.rpartition("/")[0])
+            if isinstance(p, DTensor) and t.shape == p.shape:
+                t = distribute_tensor(t.to(self.device), p.device_mesh, p.placements)
+            out[key] = t
+        return out
+
+    def _check_out(self, resume: str | None) -> None:
+        """Refuse to overwrite another run; fail early (before training) when --out is unwritable."""
+        run = self.run_dir
+        if run.exists() and not run.is_dir():
+            raise CheckpointError(f"--out {run} is a file, not a directory")
+        if not resume and run.is_dir() and ((run / "checkpoints").exists() or (run / "metrics.jsonl").exists()):
+            raise CheckpointError(f"--out {run} already holds a run (continue it with --resume {run}, "
+                                  "or choose another --out)")
+        if self.dist.main:
+            try:
+                run.mkdir(parents=True, exist_ok=True)
+                probe = run / f".write-test-{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as e:
+                raise CheckpointError(f"cannot write to --out {run} ({e.strerror or e})") from None
+
+    # --- outputs -------------------------------------------------------------------------
+    def _metrics(self, record: dict[str, Any] | None = None, keep_until: int | None = None) -> None:
+        if not self.dist.main:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        if keep_until is not None:  # on resume: forget what the interrupted run logged after the checkpoint
+            lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+            kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+            os.replace(tmp, path)
+            self.records = [json.loads(ln) for ln in kept]
+            return
+        self.records.append(record)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _plot(self) -> None:
+        if not self.dist.main or not self.records:
+            return
+        try:
+            from .viz import plot_loss
+        except ImportError:  # matplotlib missing: the metrics file still has everything
+            return
+        plot_loss(self.records, self.run_dir / "loss.png")
+
+    def _save(self, state: dict[str, Any]) -> Path:
+        from safetensors.torch import save as st_save
+
+        tensors, groups = self._optimizer_state()
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.model.state_dict().items()} \
+            if self.cfg.fsdp else None
+        path = checkpoint_dir(self.run_dir, state["step"])
+        if self.dist.main:
+            model = self.plain
+            if self.cfg.fsdp:  # a plain copy to save: the sharded module holds DTensors
+                model = self.task.build_model()
+                aliases = _aliases(model)
+                load_state(model, {k: v.cpu() for k, v in weights.items() if k not in aliases}, "FSDP state")
+            rng = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+            trainer_state = {**state, "train_config": self.cfg.to_dict(), "args": self.args, "command": self.command,
+                             "task": self.task.name, "world_size": self.dist.world, "optimizer_groups": groups,
+                             "scheduler": {"kind": "linear warm-up + cosine", "lr": self.cfg.lr,
+                                           "min_lr_ratio": self.cfg.min_lr_ratio, "warmup": self.cfg.warmup,
+                                           "max_steps": self.cfg.max_steps, "time_budget": self.cfg.time_budget,
+                                           "warm_elapsed": state["warm_elapsed"], "last_lr": self.opt.param_groups[0]["lr"]},
+                             "data_position": {"seed": self.cfg.seed, "next_step": state["step"]}}
+            extra = {OPTIMIZER: st_save(tensors), RNG: st_save(rng),
+                     STATE: json.dumps(trainer_state, indent=2).encode()}
+            save(model, path, tokenizer=self.task.tokenizer, meta={"task": self.task.name, **self.task.meta(),
+                                                                   "step": state["step"]}, extra_files=extra)
+            self._prune()
+        self.dist.barrier()
+        return path
+
+    def _optimizer_state(self):
+        tensors, groups = optimizer_tensors(self.opt, self.names)
+        if self.cfg.fsdp:  # every process must take part in gathering each shard, in the same order
+            opt_state = self.opt.state_dict()["state"]
+            for idx in sorted(opt_state):
+                for field, v in opt_state[idx].items():
+                    if hasattr(v, "full_tensor"):
+                        tensors[f"{self.names[idx]}/{field}"] = v.full_tensor().cpu()
+        return tensors, groups
+
+    def _prune(self) -> None:
+        ckpts = sorted(p for p in (self.run_dir / "checkpoints").iterdir() if STEP_DIR.fullmatch(p.name))
+        for old in ckpts[:-self.cfg.keep]:
+            hidden = old.with_name(f".{old.name}.deleting")  # never leave a half-deleted visible checkpoint
+            os.replace(old, hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
+
+    def _say(self, text: str) -> None:
+        if self.dist.main:
+            from tqdm import tqdm
+            tqdm.write(text, file=sys.stderr)
+
+    # --- the loop ------------------------------------------------------------------------
+    def _evaluate(self, state: dict[str, Any]) -> dict[str, float]:
+        eval_model = self.model if self.cfg.fsdp else self.plain
+        eval_model.eval()
+        with torch.no_grad():
+            metrics = self.task.evaluate(eval_model)
+            sample = self.task.sample(eval_model) if (self.dist.main or self.cfg.fsdp) else ""
+        eval_model.train()
+        if state["best_val_loss"] is None or metrics["val_loss"] < state["best_val_loss"]:
+            state["best_val_loss"] = metrics["val_loss"]
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self._say(f"step {state['step']}: {shown}\n--- sample ---\n{sample}\n--------------")
+        return metrics
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.stop_requested:  # a second Ctrl-C: stop now, without saving
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        self._say("interrupted: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
+
+    def _done(self, state: dict[str, Any]) -> str | None:
+        cfg = self.cfg
+        if self.stop_requested:
+            return "interrupted"
+        if cfg.max_steps is not None and state["step"] >= cfg.max_steps:
+            return "max_steps"
+        if cfg.time_budget is not None and state["elapsed"] >= cfg.time_budget:
+            return "time_budget"
+        if cfg.stop_at is not None and state["step"] >= cfg.stop_at:
+            return "stop_at"
+        return None
+
+    def run(self, resume: str | None = None) -> dict[str, Any]:
+        self.dist = None
+        try:
+            return self._run(resume)
+        finally:
+            if self.dist is not None:
+                self.dist.close()
+
+    def _run(self, resume: str | None) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg, task = self.cfg, self.task
+        self.dist = Dist(cfg.device)
+        self._check_out(resume)
+        state = self._build(resume)
+        self.records: list[dict[str, Any]] = []
+        self._metrics(keep_until=state["step"] if resume else 0)
+        handler = None
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.signal(signal.SIGINT, self._on_sigint)
+        bar = tqdm(total=cfg.max_steps, initial=state["step"], unit="step", file=sys.stderr, dynamic_ncols=True,
+                   disable=not (cfg.progress and self.dist.main), desc="train")
+        start = time.perf_counter() - state["elapsed"]
+        train_time, tokens_since, losses, last_eval, last_save = 0.0, 0, [], None, None
+        try:
+            while (reason := self._done(state)) is None:
+                step = state["step"]
+                lr = lr_at(cfg, step, progress_of(cfg, step, state["elapsed"], state["warm_elapsed"]))
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                t_step = time.perf_counter()
+                torch.manual_seed((cfg.seed * 1_000_003 + step) * 131 + self.dist.rank)  # dropout = f(seed, step, rank)
+                batch = task.batch(step, "train")
+                micros = micro_batches(batch, self.dist.rank, self.dist.world, cfg.grad_accum)
+                loss_sum = 0.0
+                for i, micro in enumerate(micros):
+                    last = i == len(micros) - 1
+                    with self._sync(last):
+                        with autocast(self.device, cfg.precision):
+                            micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
+                            loss = task.loss(self.train_model, micro) / len(micros)
+                        loss.backward()
+                    loss_sum += loss.item()
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                train_time += time.perf_counter() - t_step
+                tokens_since += task.tokens(batch)
+                losses.append(loss_sum)
+                state["step"] = step = step + 1
+                state["tokens"] += task.tokens(batch)
+                state["elapsed"], stop = self.dist.max([time.perf_counter() - start, float(self.stop_requested)],
+                                                       self.device)
+                self.stop_requested = bool(stop)
+                if state["warm_elapsed"] is None and step >= cfg.warmup:
+                    state["warm_elapsed"] = state["elapsed"]
+                record = None
+                if step % cfg.log_every == 0 or self._done(state):
+                    record = {"step": step, "train_loss": self.dist.mean(sum(losses) / len(losses), self.device),
+                              "lr": lr, "tokens_per_s": tokens_since / max(train_time, 1e-9),
+                              "elapsed": round(state["elapsed"], 3)}
+                    bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    if cfg.max_steps is None and cfg.time_budget:  # ETA from the clock: estimate the total steps
+                        bar.total = max(step, int(step * cfg.time_budget / max(state["elapsed"], 1e-9)))
+                    train_time, tokens_since, losses = 0.0, 0, []
+                if step % cfg.eval_every == 0 or (self._done(state) and self._done(state) != "interrupted"
+                                                  and self._done(state) != "stop_at"):
+                    record = (record or {"step": step}) | self._evaluate(state)
+                    last_eval = step
+                if record is not None:
+                    self._metrics(record)
+                    if last_eval == step:
+                        self._plot()
+                bar.update(1)
+                if step % cfg.save_every == 0 and not self._done(state):
+                    self._save(state)
+                    last_save = step
+        finally:
+            bar.close()
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+        path = checkpoint_dir(self.run_dir, state["step"])
+        if last_save != state["step"]:
+            path = self._save(state)
+        self._plot()
+        if reason == "interrupted":
+            self._say(f"stopped at step {state['step']}; checkpoint {path}; continue with "
+                      f"`tformer train --resume {self.run_dir}`")
+        return {"reason": reason, "step": state["step"], "best_val_loss": state["best_val_loss"],
+                "checkpoint": str(path), "run_dir": str(self.run_dir), "elapsed": state["elapsed"],
+                "tokens": state["tokens"], "records": self.records}
+
+    def _sync(self, last: bool):
+        """Gradient accumulation: exchange gradients only in the last micro-batch's backward."""
+        if self.dist.world == 1:
+            return nullcontext()
+        if self.cfg.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return nullcontext()
+        return nullcontext() if last else self.model.no_sync()

@@ -1,0 +1,1 @@
+"""Tasks for the training loop (see tformer.train.Task): lm, classify, translate."""

@@ -1,0 +1,212 @@
+"""Text classification with an EncoderClassifier (the BERT recipe of the seeds: the first token's
+vector -> dropout -> linear -> softmax), on the built-in rotten-tomatoes sentiment data or a user's
+CSV / TSV / JSONL file. Implements the tformer.train.Task protocol.
+
+Every text becomes  [bos] tokens… [eos]  (for a BERT tokenizer bos/eos are [CLS]/[SEP]), cut to
+--max-len tokens. The held-out split is a seeded random fraction of the rows; `meta()` records how
+to rebuild it, so `tformer eval --model RUN` scores exactly the texts the run never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import corpora, metrics
+from ..data import split_rows, step_generator
+from ..errors import DataError
+from ..models import EncoderClassifier
+from .common import arg, length_batches, load_pretrained_encoder, model_config, pad, warn
+
+# The default shape (when --preset is not given): the 2-layer, width-128 BERT of the issue's HF
+# reference; on 12k short sentences a bigger model only overfits sooner.
+DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, d_ff=512, max_seq_len=128, dropout=0.1)
+DEFAULT_VOCAB = 8000
+DEFAULT_MAX_LEN = 128
+
+
+def load_data(data: str | None, text_column: str = "text", label_column: str = "label") -> corpora.LabelledTexts:
+    """The built-in corpus by name, or the user's table."""
+    if data in (None, "rotten-tomatoes"):
+        return corpora.rotten_tomatoes()
+    return corpora.read_labelled(data, text_column, label_column)
+
+
+def split(data: corpora.LabelledTexts, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the training and held-out rows (a seeded permutation; the same for eval)."""
+    return split_rows(list(range(len(data.texts))), val_fraction, seed)
+
+
+def encode_texts(tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """[bos] + ids + [eos], the middle cut so the whole fits max_len. Returns the lists and how many
+    texts were cut."""
+    special = [i for i in (tokenizer.bos_id, tokenizer.eos_id) if i is not None]
+    room = max_len - len(special)
+    out, cut = [], 0
+    for ids in tokenizer.encode_batch(texts):
+        if len(ids) > room:
+            ids, cut = ids[:room], cut + 1
+        start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        out.append(start + ids + end)
+    return out, cut
+
+
+@torch.no_grad()
+def predict_proba(model: EncoderClassifier, tokenizer, texts: list[str], max_len: int,
+                  batch_size: int = 64) -> Tensor:
+    """Label probabilities (N, num_labels) for `texts`, in order."""
+    seqs, _ = encode_texts(tokenizer, texts, max_len)
+    device = next(model.parameters()).device
+    probs = torch.empty(len(seqs), model.num_labels)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    for rows in length_batches([len(s) for s in seqs], batch_size):
+        ids, mask = pad([seqs[i] for i in rows], pad_id)
+        logits = model(ids.to(device), mask.to(device))
+        probs[rows] = logits.float().softmax(-1).cpu()
+    return probs
+
+
+def score(model: EncoderClassifier, tokenizer, texts: list[str], labels: list[int], max_len: int,
+          label_names: list[str]) -> dict[str, Any]:
+    """Loss, accuracy, macro-F1 and confusion matrix of `model` on `texts` with reference `labels`."""
+    probs = predict_proba(model, tokenizer, texts, max_len)
+    target = torch.tensor(labels)
+    loss = F.nll_loss(probs.clamp_min(1e-12).log(), target).item()
+    predicted = probs.argmax(-1).tolist()
+    return {"val_loss": loss, "accuracy": metrics.accuracy(predicted, labels),
+            "macro_f1": metrics.macro_f1(predicted, labels, len(label_names)),
+            "confusion": metrics.confusion_matrix(predicted, labels, len(label_names)), "labels": label_names}
+
+
+def format_confusion(matrix: list[list[int]], labels: list[str]) -> str:
+    """The confusion matrix as a small text table (rows: true label, columns: predicted)."""
+    width = max(8, *(len(name) + 1 for name in labels))
+    lines = ["true \\ predicted".ljust(width + 8) + "".join(name.rjust(width) for name in labels)]
+    for name, row in zip(labels, matrix):
+        lines.append(name.ljust(width + 8) + "".join(str(n).rjust(width) for n in row))
+    return "\n".join(lines)
+
+
+class ClassifyTask:
+    name = "classify"
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        g = parser.add_argument_group("classification (--task classify)")
+        g.add_argument("--text-column", default="text", help="column (CSV/TSV) or field (JSONL) with the text "
+                       "(default: text)")
+        g.add_argument("--label-column", default="label", help="column or field with the label (default: label)")
+        g.add_argument("--max-len", type=int, default=None,
+                       help=f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})")
+
+    def __init__(self, args, tokenizer=None, init: str | None = None):
+        self.args = args
+        self.seed = arg(args, "seed", 0)
+        self.val_fraction = arg(args, "val_fraction", 0.1)
+        self.data_name = arg(args, "data", "rotten-tomatoes")
+        self.columns = (arg(args, "text_column", "text"), arg(args, "label_column", "label"))
+        data = load_data(self.data_name, *self.columns)
+        self.label_names = sorted(set(data.labels))
+        if len(self.label_names) < 2:
+            raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); classification needs two or more")
+        label_id = {name: i for i, name in enumerate(self.label_names)}
+        train_idx, val_idx = split(data, self.val_fraction, self.seed)
+        unseen = sorted(set(data.labels[i] for i in val_idx) - set(data.labels[i] for i in train_idx))
+        if unseen:
+            raise DataError(f"label(s) {', '.join(map(repr, unseen))} occur only in the held-out split, never in "
+                            "training (add more examples of them, or lower --val-fraction)")
+        self.init = init
+        self.pretrained = None
+        if init is not None and tokenizer is None:
+            self.pretrained, tokenizer = load_pretrained_encoder(init)
+        if tokenizer is None:
+            tokenizer = _train_tokenizer([data.texts[i] for i in train_idx], arg(args, "vocab_size", DEFAULT_VOCAB))
+        self.tokenizer = tokenizer
+        if tokenizer.pad_id is None:
+            raise DataError("the tokenizer has no padding token (<pad> or [PAD]); classification pads batches")
+        limit = self.pretrained.cfg.max_seq_len if self.pretrained is not None else None
+        self.max_len = min(arg(args, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
+        seqs, cut = encode_texts(tokenizer, data.texts, self.max_len)
+        if cut:
+            warn(f"{cut} of {len(seqs)} texts are longer than --max-len {self.max_len} tokens and were truncated")
+        self.train_seqs = [seqs[i] for i in train_idx]
+        self.train_labels = [label_id[data.labels[i]] for i in train_idx]
+        self.val_texts = [data.texts[i] for i in val_idx]
+        self.val_labels = [label_id[data.labels[i]] for i in val_idx]
+
+    # --- the Task protocol ------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        if self.init is not None:
+            encoder = self.pretrained
+            if encoder is None:  # resuming: the tokenizer came from the run, the weights from --init
+                encoder, _ = load_pretrained_encoder(self.init)
+            cfg = encoder.cfg
+            if getattr(self.args, "dropout", None) is not None:
+                cfg = cfg.replace(dropout=self.args.dropout)
+            model = EncoderClassifier(cfg, len(self.label_names), self.label_names)
+            model.encoder.load_state_dict(encoder.state_dict())
+            return model
+        cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
+                           pad_token_id=self.tokenizer.pad_id)
+        return EncoderClassifier(cfg, len(self.label_names), self.label_names)
+
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        g = step_generator(self.seed, step)
+        rows = torch.randint(0, len(self.train_seqs), (arg(self.args, "batch_size", 32),), generator=g).tolist()
+        ids, mask = pad([self.train_seqs[i] for i in rows], self.tokenizer.pad_id)
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([self.train_labels[i] for i in rows])}
+
+    def loss(self, model, batch: dict[str, Tensor]) -> Tensor:
+        logits = model(batch["input_ids"], batch["attention_mask"])
+        return F.cross_entropy(logits.float(), batch["labels"])
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def evaluate(self, model) -> dict[str, float]:
+        s = score(model, self.tokenizer, self.val_texts, self.val_labels, self.max_len, self.label_names)
+        return {"val_loss": s["val_loss"], "val_accuracy": s["accuracy"], "val_macro_f1": s["macro_f1"]}
+
+    def sample(self, model) -> str:
+        texts = self.val_texts[:2]
+        probs = predict_proba(model, self.tokenizer, texts, self.max_len)
+        return "  ".join(f"{_short(t)!r} -> {self.label_names[int(p.argmax())]} {float(p.max()):.2f}"
+                         for t, p in zip(texts, probs))
+
+    def meta(self) -> dict[str, Any]:
+        return {"labels": self.label_names, "max_len": self.max_len, "init": self.init,
+                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
+                            "text_column": self.columns[0], "label_column": self.columns[1]}}
+
+    def report(self, model, out_dir=None) -> str:
+        """The final held-out report: accuracy, macro-F1, the confusion matrix (and confusion.png)."""
+        s = score(model, self.tokenizer, self.val_texts, self.val_labels, self.max_len, self.label_names)
+        if out_dir is not None:
+            write_confusion_png(s["confusion"], self.label_names, out_dir)
+        return (f"held-out ({len(self.val_labels)} texts): accuracy {s['accuracy']:.4f}  macro-F1 {s['macro_f1']:.4f}\n"
+                + format_confusion(s["confusion"], self.label_names))
+
+
+def write_confusion_png(matrix, labels, out_dir) -> None:
+    from pathlib import Path
+
+    try:
+        from ..viz import plot_confusion
+    except ImportError:
+        return
+    plot_confusion(matrix, labels, Path(out_dir) / "confusion.png")
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    from ..tokenizers import Tokenizer
+
+    return Tokenizer.train_bpe(texts, vocab_size)
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[:n - 1] + "…"
+

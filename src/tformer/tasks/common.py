@@ -1,0 +1,99 @@
+"""Pieces the classification and translation tasks share: padding, model configs, --init loading."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import PRESETS, ModelConfig
+from ..errors import CheckpointError, ConfigError
+
+
+def arg(args, name: str, default: Any = None) -> Any:
+    """args.name, or `default` when the flag is absent or was left unset (None)."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad token lists to the longest: ids (B, T) and the HF-style mask (B, T) of 1 = token, 0 = pad."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (sorted), so evaluation pads little."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def model_config(args, kind: str, vocab_size: int, max_len: int, default: dict[str, Any], **fixed: Any) -> ModelConfig:
+    """The preset named by --preset, or else the task's own default shape (`default`: sized for minutes
+    of CPU training), with the vocabulary, kind and length of the task, and --dropout when given."""
+    name = getattr(args, "preset", None)
+    if name is not None and name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    base = PRESETS[name] if name is not None else default
+    settings = {**fixed, **base, "kind": kind, "vocab_size": vocab_size,
+                "max_seq_len": max(max_len, base.get("max_seq_len", 0))}
+    if getattr(args, "dropout", None) is not None:
+        settings["dropout"] = args.dropout
+    return ModelConfig(**settings)
+
+
+def is_tformer_checkpoint(path: Path) -> bool:
+    import json
+
+    from ..checkpoint import resolve
+
+    try:
+        config = json.loads((resolve(path) / "config.json").read_text())
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return config.get("format") == "tformer"
+
+
+def load_pretrained_encoder(init: str):
+    """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder or EncoderClassifier, whose
+    encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
+    is the one saved with it: a pretrained encoder only understands its own token ids."""
+    from ..checkpoint import load
+    from ..models import Encoder, EncoderClassifier
+    from ..tokenizers import Tokenizer, load_tokenizer
+
+    path = Path(init)
+    if not path.exists():
+        raise CheckpointError(f"--init {init}: no such directory")
+    if is_tformer_checkpoint(path):
+        model = load(path)
+        tokenizer = load_tokenizer(path)
+    else:
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"--init {init}: not a tformer checkpoint nor a Hugging Face directory "
+                                  "(no config.json)")
+        from ..hf import from_hf
+
+        model = from_hf(path)
+        if not (path / "tokenizer.json").is_file():
+            raise CheckpointError(f"--init {init} has no tokenizer.json (the pretrained encoder needs its "
+                                  "own tokenizer)")
+        tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    if isinstance(model, EncoderClassifier):
+        model = model.encoder
+    if not isinstance(model, Encoder):
+        raise CheckpointError(f"--init {init} holds a {type(model).__name__}; classification needs an encoder "
+                              "(BERT family)")
+    return model, tokenizer
+
+
+def warn(message: str) -> None:
+    sys.stderr.write(f"warning: {message}\n")

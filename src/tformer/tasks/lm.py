@@ -1,0 +1,155 @@
+"""Language modelling: a decoder learns to predict the next token of a text (the reference Task;
+see tformer.train for the protocol).
+
+Data: the built-in `hamlet` or a UTF-8 text file; the first 90% trains, the last 10% validates.
+Validation loss is the mean cross-entropy over the WHOLE validation split, cut into consecutive,
+non-overlapping windows of the context length (every validation token predicted exactly once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import PRESETS, preset
+from ..data import lm_batch, lm_windows, read_text, split_text
+from ..errors import ConfigError, DataError
+from ..tokenizers import Tokenizer
+
+SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
+
+
+class LMTask:
+    name = "lm"
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        g = parser.add_argument_group("language modelling (--task lm)")
+        g.add_argument("--prompt", default=None,
+                       help="text the progress samples start from (default: the start of the validation text)")
+
+    def __init__(self, args, tokenizer: Tokenizer | None = None, init: str | None = None):
+        self.args = args
+        self.seed, self.batch_size = args.seed, args.batch_size
+        self.init = init
+        text = read_text(args.data)
+        self.train_text, self.val_text = split_text(text, args.val_fraction)
+        if tokenizer is None and init is not None:
+            from ..tokenizers import load_tokenizer
+            tokenizer = load_tokenizer(init)
+        if tokenizer is None:
+            tokenizer = (Tokenizer.char(self.train_text) if args.tokenizer == "char"
+                         else Tokenizer.train_bpe(self.train_text, args.vocab_size))
+        self.tokenizer = tokenizer
+        self.cfg = self._config()
+        self.context = args.context or self.cfg.max_seq_len
+        if self.context > self.cfg.max_seq_len:
+            raise ConfigError(f"--context {self.context} is longer than the model's max_seq_len "
+                              f"{self.cfg.max_seq_len} (use --context {self.cfg.max_seq_len} or less)")
+        self.train_ids = torch.tensor(tokenizer.encode(self.train_text), dtype=torch.long)
+        self.val_ids = torch.tensor(tokenizer.encode(self.val_text), dtype=torch.long)
+        for split, ids in (("training", self.train_ids), ("validation", self.val_ids)):
+            if len(ids) < self.context + 2:
+                raise DataError(f"{args.data}: the {split} split has {len(ids)} tokens, fewer than one window of "
+                                f"--context {self.context} (use more text or a smaller --context)")
+        self.prompt = args.prompt if args.prompt else self.val_text[:16]
+
+    def _config(self):
+        if self.init is not None:
+            from ..checkpoint import read_config
+            from ..config import ModelConfig
+
+            data = read_config(self.init)
+            if data["architecture"] != "Decoder":
+                raise ConfigError(f"--init {self.init} is a {data['architecture']}, not a Decoder")
+            return ModelConfig.from_dict(data["config"])
+        if self.args.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.args.preset!r}; choose one of {', '.join(PRESETS)}")
+        overrides: dict[str, Any] = {"kind": "decoder", "vocab_size": self.tokenizer.vocab_size,
+                                     "pad_token_id": self.tokenizer.pad_id, "bos_token_id": self.tokenizer.bos_id,
+                                     "eos_token_id": self.tokenizer.eos_id}
+        if PRESETS[self.args.preset].get("kind", "decoder") != "decoder":
+            raise ConfigError(f"preset {self.args.preset!r} is not a decoder; language modelling needs one "
+                              f"(e.g. small, tiny, gpt2-small)")
+        if self.args.dropout is not None:
+            overrides["dropout"] = self.args.dropout
+        if self.args.context and self.args.context > PRESETS[self.args.preset]["max_seq_len"]:
+            overrides["max_seq_len"] = self.args.context  # learned positions: the table grows with the context
+        return preset(self.args.preset, **overrides)
+
+    # --- the protocol ------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        from ..models import Decoder
+
+        model = Decoder(self.cfg)
+        if self.init is not None:
+            from ..checkpoint import load
+
+            model.load_state_dict(load(self.init).state_dict())
+        return model
+
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        ids = self.train_ids if split == "train" else self.val_ids
+        x, y = lm_batch(ids, self.batch_size, self.context, self.seed, step)
+        return {"input_ids": x, "labels": y}
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        logits = model(batch["input_ids"])                                       # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return batch["input_ids"].numel()
+
+    def evaluate(self, model: nn.Module, batch_windows: int = 64) -> dict[str, float]:
+        """Mean cross-entropy (nats per token) over every validation token, in fp32."""
+        device = next(model.parameters()).device
+        windows = lm_windows(self.val_ids, self.context)
+        total, count = 0.0, 0
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            full = [w for w in windows if len(w[0]) == self.context]
+            rest = [w for w in windows if len(w[0]) != self.context]
+            groups = [full[i:i + batch_windows] for i in range(0, len(full), batch_windows)] + [[w] for w in rest]
+            for group in groups:
+                x = torch.stack([w[0] for w in group]).to(device)                # (b, T)
+                y = torch.stack([w[1] for w in group]).to(device)
+                logits = model(x).float()
+                total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+                count += y.numel()
+        return {"val_loss": total / count}
+
+    def sample(self, model: nn.Module) -> str:
+        return sample_text(model, self.tokenizer, self.prompt, seed=self.seed, **SAMPLE)
+
+    def meta(self) -> dict[str, Any]:
+        return {"data": str(self.args.data), "tokenizer": self.tokenizer.kind, "context": self.context,
+                "val_fraction": self.args.val_fraction}
+
+
+def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200,
+                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = 0.95,
+                seed: int = 0) -> str:
+    """Prompt + a sampled continuation, reproducible for a seed (the global RNG is not touched).
+    Beyond the model's context it continues in chunks, each conditioned on the last half-context
+    of text (learned positions do not extend past max_seq_len)."""
+    from ..generation import generate
+
+    device = next(model.parameters()).device
+    window = model.cfg.max_seq_len
+    ids = tokenizer.encode(prompt) or [tokenizer.bos_id or 0]
+    g = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    while max_new_tokens > 0:
+        context = ids[-(window // 2):]
+        n = min(max_new_tokens, window - len(context))
+        with torch.no_grad():
+            out = generate(model, torch.tensor([context], device=device), max_new_tokens=n, do_sample=True,
+                           temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
+        new = out[0, len(context):].tolist()
+        ids += new
+        max_new_tokens = max_new_tokens - n if len(new) == n else 0  # fewer: it stopped at the end token
+    model.train(was_training)
+    return tokenizer.decode(ids)

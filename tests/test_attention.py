@@ -1,0 +1,150 @@
+"""attention(): the seeds' element-wise formula; fused == reference; MultiHeadAttention == torch.nn."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tformer.attention import MultiHeadAttention, attention, fused_attention
+from tformer.masks import causal_mask, combine, padding_mask
+
+
+def hand_attention(q, k, v, allowed):
+    """s_ij = q_i·k_j/√d_k; α_ij = exp(s_ij)/Σ_j' exp(s_ij') over allowed keys; o_i = Σ_j α_ij v_j.
+    Plain Python loops over one head; `allowed[i][j]` is True where query i may see key j."""
+    t_q, t_k, d_k = q.shape[0], k.shape[0], q.shape[1]
+    out = torch.zeros(t_q, v.shape[1], dtype=torch.float64)
+    alpha = torch.zeros(t_q, t_k, dtype=torch.float64)
+    for i in range(t_q):
+        s = {j: sum(float(q[i, c]) * float(k[j, c]) for c in range(d_k)) / math.sqrt(d_k)
+             for j in range(t_k) if allowed[i][j]}
+        z = sum(math.exp(x) for x in s.values())
+        for j, x in s.items():
+            alpha[i, j] = math.exp(x) / z
+            out[i] += alpha[i, j] * v[j].double()
+    return out, alpha
+
+
+def qkv(b=2, h=3, h_kv=None, t_q=5, t_k=5, hd=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h_kv = h_kv or h
+    return (torch.randn(b, h, t_q, hd, generator=g), torch.randn(b, h_kv, t_k, hd, generator=g),
+            torch.randn(b, h_kv, t_k, hd, generator=g))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_equals_hand_formula(causal):
+    q, k, v = qkv(b=1, h=2, t_q=4, t_k=6, hd=3)
+    mask = causal_mask(4, 6) if causal else None
+    out, alpha = attention(q, k, v, mask, return_weights=True)
+    allowed = mask.tolist() if causal else [[True] * 6] * 4
+    for head in range(2):
+        o_hand, a_hand = hand_attention(q[0, head], k[0, head], v[0, head], allowed)
+        torch.testing.assert_close(alpha[0, head].double(), a_hand, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[0, head].double(), o_hand, atol=1e-6, rtol=0)
+
+
+def masks_for(b, t):
+    hf = torch.ones(b, t, dtype=torch.long)
+    hf[0, -2:] = 0                                                    # right padding in row 0
+    hf[1, :1] = 0                                                     # left padding in row 1
+    return {"none": None, "causal": causal_mask(t), "padding": combine(padding_mask(hf)),
+            "combined": combine(causal_mask(t), padding_mask(hf))}
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "combined"])
+@pytest.mark.parametrize("h_kv", [3, 1])
+def test_fused_equals_reference(kind, h_kv):
+    q, k, v = qkv(b=2, h=3, h_kv=h_kv, t_q=6, t_k=6, hd=8)
+    mask = masks_for(2, 6)[kind]
+    torch.testing.assert_close(fused_attention(q, k, v, mask), attention(q, k, v, mask), atol=1e-5, rtol=0)
+
+
+def test_is_causal_flag_equals_explicit_mask():
+    q, k, v = qkv(t_q=5, t_k=5)
+    expected = attention(q, k, v, causal_mask(5))
+    torch.testing.assert_close(attention(q, k, v, is_causal=True), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused_attention(q, k, v, is_causal=True), expected, atol=1e-5, rtol=0)
+
+
+def test_gqa_equals_repeated_heads():
+    """Grouped-query attention = ordinary attention with each K/V head copied to its group of Q heads."""
+    q, k, v = qkv(h=4, h_kv=2)
+    k_full, v_full = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(attention(q, k, v), attention(q, k_full, v_full))
+    torch.testing.assert_close(fused_attention(q, k, v), attention(q, k_full, v_full), atol=1e-5, rtol=0)
+
+
+def test_fully_padded_rows_give_no_nan():
+    q, k, v = qkv(b=2, t_q=4, t_k=4)
+    hf = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])                  # row 1: nothing to attend to at all
+    mask = combine(causal_mask(4), padding_mask(hf))
+    for out in (attention(q, k, v, mask), fused_attention(q, k, v, mask)):
+        assert not out.isnan().any()
+    # The raw reference formula with a fully masked row (no combine) still gives zeros, not NaN.
+    raw = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    out, alpha = attention(q, k, v, raw, return_weights=True)
+    assert not out.isnan().any() and (alpha == 0).all()
+
+
+# --- MultiHeadAttention vs torch.nn.MultiheadAttention -----------------------------------------
+
+def copy_from_nn(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
+    d = ref.embed_dim
+    with torch.no_grad():
+        if ours.cross:
+            ours.q_proj.weight.copy_(ref.in_proj_weight[:d]); ours.q_proj.bias.copy_(ref.in_proj_bias[:d])
+            ours.kv_proj.weight.copy_(ref.in_proj_weight[d:]); ours.kv_proj.bias.copy_(ref.in_proj_bias[d:])
+        else:
+            ours.qkv_proj.weight.copy_(ref.in_proj_weight); ours.qkv_proj.bias.copy_(ref.in_proj_bias)
+        ours.out_proj.weight.copy_(ref.out_proj.weight); ours.out_proj.bias.copy_(ref.out_proj.bias)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_equals_torch_nn(cross, need_weights):
+    torch.manual_seed(0)
+    d, h, b, t, s = 16, 4, 3, 5, 7
+    ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
+    ours = MultiHeadAttention(d, h, cross=cross).eval()
+    copy_from_nn(ours, ref)
+    x = torch.randn(b, t, d)
+    ctx = torch.randn(b, s, d) if cross else x
+    t_k = ctx.size(1)
+    hf = torch.ones(b, t_k, dtype=torch.long)
+    hf[1, -3:] = 0
+    hf[2, :2] = 0
+    if cross:                                         # cross-attention: key padding only
+        mask = padding_mask(hf)
+        nn_kwargs = dict(key_padding_mask=hf == 0)
+    else:                                             # self-attention: causal AND key padding
+        hf[2, :2] = 1                                 # keep every query row with at least one key
+        mask = combine(causal_mask(t), padding_mask(hf))
+        nn_kwargs = dict(key_padding_mask=hf == 0, attn_mask=~causal_mask(t))  # nn: True = masked out
+    expected, expected_w = ref(x, ctx, ctx, average_attn_weights=False, **nn_kwargs)
+    out, weights = ours(x, context=ctx if cross else None, mask=mask, need_weights=need_weights)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=0)
+    else:
+        assert weights is None
+
+
+def test_multihead_no_mask_and_is_causal():
+    torch.manual_seed(1)
+    ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    ours = MultiHeadAttention(8, 2).eval()
+    copy_from_nn(ours, ref)
+    x = torch.randn(2, 6, 8)
+    torch.testing.assert_close(ours(x)[0], ref(x, x, x)[0], atol=1e-5, rtol=0)
+    causal = ref(x, x, x, attn_mask=~causal_mask(6))[0]
+    torch.testing.assert_close(ours(x, is_causal=True)[0], causal, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours(x, is_causal=True, need_weights=True)[0], causal, atol=1e-5, rtol=0)
+
+
+def test_multihead_gqa_shapes_and_projection_sizes():
+    mha = MultiHeadAttention(16, 4, n_kv_heads=2)
+    assert mha.qkv_proj.out_features == 16 + 2 * 8                  # Q: 4 heads, K and V: 2 heads of size 4
+    out, w = mha(torch.randn(2, 3, 16), need_weights=True)
+    assert out.shape == (2, 3, 16) and w.shape == (2, 4, 3, 3)

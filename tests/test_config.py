@@ -1,0 +1,79 @@
+"""ModelConfig: JSON round trip, validation naming the field, presets."""
+
+import json
+
+import pytest
+import torch
+
+from tformer import PRESETS, Decoder, Encoder, EncoderDecoder, ModelConfig, preset
+from tformer.errors import ConfigError
+
+
+def test_json_round_trip_keeps_every_field():
+    cfg = ModelConfig(kind="encoder-decoder", vocab_size=99, d_model=48, n_heads=6, n_layers=3,
+                      n_decoder_layers=1, n_kv_heads=2, d_ff=100, positional="rope", activation="swiglu",
+                      norm="rmsnorm", bias=False, tie_embeddings=False, norm_eps=1e-6, eos_token_id=2)
+    again = ModelConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert json.loads(cfg.to_json())["n_decoder_layers"] == 1
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert (cfg.head_dim, cfg.kv_heads, cfg.ffn_dim, cfg.decoder_layers) == (8, 2, 100, 1)
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(d_model=30, n_heads=4), "d_model"),
+    (dict(activation="tanh"), "activation"),
+    (dict(kind="gpt"), "kind"),
+    (dict(norm_position="middle"), "norm_position"),
+    (dict(positional="alibi"), "positional"),
+    (dict(norm="batchnorm"), "norm"),
+    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads"),
+    (dict(d_model=24, n_heads=8, positional="rope"), "rope"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(dropout="high"), "dropout"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(n_layers=2.5), "n_layers"),
+    (dict(n_decoder_layers=2), "n_decoder_layers"),
+    (dict(norm_eps=-1.0), "norm_eps"),
+    (dict(rope_theta=0), "rope_theta"),
+    (dict(sinusoidal_layout="zigzag"), "sinusoidal_layout"),
+    (dict(bias="yes"), "bias"),
+    (dict(pad_token_id=-1), "pad_token_id"),
+])
+def test_invalid_configs_raise_value_error_naming_the_field(fields, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig(**fields)
+
+
+def test_allowed_values_are_listed():
+    with pytest.raises(ConfigError, match="gelu, gelu_tanh, relu, silu, swiglu"):
+        ModelConfig(activation="tanh")
+
+
+def test_bad_json_and_unknown_fields():
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_json("{nope")
+    with pytest.raises(ConfigError, match="d_modle"):
+        ModelConfig.from_dict({"d_modle": 64})
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_json("[1, 2]")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_build(name):
+    cfg = preset(name)
+    cls = {"decoder": Decoder, "encoder": Encoder, "encoder-decoder": EncoderDecoder}[cfg.kind]
+    with torch.device("meta"):                                          # shapes only: no memory, no time
+        model = cls(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 0
+    if name == "gpt2-small":                                           # GPT-2 small has 124.4M parameters
+        assert abs(n - 124_439_808) < 1000
+    if name == "bert-base":                                            # BERT-base encoder without pooler
+        assert abs(n - 108_891_648) < 1000
+
+
+def test_preset_overrides_and_unknown_name():
+    assert preset("tiny", vocab_size=11).vocab_size == 11
+    with pytest.raises(ConfigError, match="tiny"):
+        preset("huge")
