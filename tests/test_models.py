@@ -142,7 +142,7 @@ def test_cache_overflow_is_an_error():
 
 
 def test_encoder_decoder_cache_computes_cross_kv_once():
-    model = build(EncoderDecoder, positional="sinusoidal")
+    model = build(EncoderDecoder, positional="sinusoidal", n_decoder_layers=3)  # decoder deeper than encoder
     src, tgt = ids(2, 7, seed=1), ids(2, 6, seed=2)
     src_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
     calls = []

@@ -55,19 +55,27 @@ def token_label(tokenizer, i: int) -> str:
     return text.strip().replace("\n", "⏎")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # HF tokenizers with a post-processor (BERT's [CLS] ... [SEP]) add the special tokens the model
-    # was trained with; tformer's own char/BPE tokenizers have none, so this equals encode(text).
+def _encode(tokenizer, text: str, cfg, what: str) -> list[int]:
+    """Token ids as the model saw them in training. HF tokenizers with a post-processor (BERT's
+    [CLS] ... [SEP]) add their special tokens; tformer's own char/BPE tokenizers have none. Padding
+    and truncation that a tokenizer.json may switch on are undone / reported, not applied silently."""
     hf = getattr(tokenizer, "hf", None)
-    return hf.encode(text, add_special_tokens=True).ids if hf is not None else tokenizer.encode(text)
+    if hf is None:
+        ids = tokenizer.encode(text)
+    else:
+        if hf.padding or hf.truncation:  # a copy without them: the caller's tokenizer stays as it was
+            from tokenizers import Tokenizer as HFTokenizer
 
-
-def _check_length(n: int, cfg, what: str) -> None:
-    if n == 0:
+            hf = HFTokenizer.from_str(hf.to_str())
+            hf.no_padding()
+            hf.no_truncation()
+        ids = hf.encode(text, add_special_tokens=True).ids
+    if not ids:
         raise DataError(f"{what} is empty after tokenization (give some text)")
-    if n > cfg.max_seq_len:
-        raise DataError(f"{what} is {n} tokens but the model's context is {cfg.max_seq_len} tokens "
+    if len(ids) > cfg.max_seq_len:
+        raise DataError(f"{what} is {len(ids)} tokens but the model's context is {cfg.max_seq_len} tokens "
                         "(shorten the text)")
+    return ids
 
 
 def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None) -> Inputs:
@@ -76,8 +84,7 @@ def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None) -
     kind, cfg = model_kind(model), model.cfg
     if target is not None and kind != "encoder-decoder":
         raise ConfigError(f"--target is only for encoder-decoder models (this is a {kind})")
-    ids = _encode(tokenizer, text)
-    _check_length(len(ids), cfg, "the text")
+    ids = _encode(tokenizer, text, cfg, "the text")
     inputs = Inputs(torch.tensor([ids]), [token_label(tokenizer, i) for i in ids])
     if kind == "encoder-decoder":
         start = next((i for i in (cfg.decoder_start_token_id, cfg.pad_token_id, cfg.bos_token_id) if i is not None),
@@ -86,10 +93,12 @@ def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None) -
             raise ConfigError("the model config has no decoder_start_token_id, pad_token_id or bos_token_id "
                               "(set one in config.json)")
         if target is not None:
-            tgt = [start] + _encode(tokenizer, target)
+            tgt = [start] + _encode(tokenizer, target, cfg, "the target")
         else:
             tgt = _greedy_target(model, inputs.ids, start, tokenizer)
-        _check_length(len(tgt), cfg, "the target")
+        if len(tgt) > cfg.max_seq_len:
+            raise DataError(f"the target is {len(tgt)} tokens with the start token but the model's context "
+                            f"is {cfg.max_seq_len} tokens (shorten the target)")
         inputs.target_ids = torch.tensor([tgt])
         inputs.target_tokens = [token_label(tokenizer, i) for i in tgt]
     return inputs

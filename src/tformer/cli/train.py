@@ -124,8 +124,9 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
     return merged, str(ckpt)
 
 
-def run(args) -> int:
-    from tformer.train import TrainConfig, fit, task_class
+def prepare(args):
+    """(task, TrainConfig, resume checkpoint or None, arguments to save) from parsed `train` flags."""
+    from tformer.train import TrainConfig, task_class
 
     args, resume = settings(args)
     if args.max_steps is None and args.time_budget is None:
@@ -134,7 +135,7 @@ def run(args) -> int:
         args.out = f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     cls = task_class(args.task)
     if args.preset is None:
-        args.preset = "small"
+        args.preset = getattr(cls, "default_preset", "small")
     if args.data is None:
         args.data = getattr(cls, "default_data", "hamlet")
     cfg = TrainConfig(out=args.out, max_steps=args.max_steps, time_budget=args.time_budget,
@@ -151,6 +152,13 @@ def run(args) -> int:
         tokenizer = load_tokenizer(resume)
     task = cls(args, tokenizer=tokenizer, init=None if resume else args.init)
     saved = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
+    return task, cfg, resume, saved
+
+
+def run(args) -> int:
+    from tformer.train import fit
+
+    task, cfg, resume, saved = prepare(args)
     result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
     best = result["best_val_loss"]
     print(f"{result['reason']}: step {result['step']}, {result['elapsed']:.0f} s"

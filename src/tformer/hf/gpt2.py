@@ -2,6 +2,8 @@
 
 GPT-2 stores its projections as Conv1D, i.e. (in, out) matrices: they are transposed. Its fused
 c_attn already holds [q | k | v], which is exactly tformer's qkv_proj after the transpose.
+reorder_and_upcast_attn is accepted: it only changes mixed-precision numerics, not the function.
+Dropout: tformer has one rate; resid_pdrop is taken (it only matters for fine-tuning).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ def _rope_theta(s: dict) -> float:
     params = s["rope_parameters"] or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     refuse_unless(rope_type == "default", "llama", f"rope_parameters with rope_type={rope_type!r}")
+    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+    refuse_unless(not extra, "llama", f"rope_parameters {', '.join(extra)}")
     refuse_unless(not s["rope_scaling"], "llama", f"rope_scaling={s['rope_scaling']!r}")
     return float(params.get("rope_theta", s["rope_theta"]))
 
