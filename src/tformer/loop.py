@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import _aliases, load_state, read_safetensors, resolve, save
+from .checkpoint import _aliases, load_state, read_safetensors, save, verify
 from .errors import CheckpointError
 from .train import (Task, TrainConfig, autocast, load_optimizer_tensors, lr_at, make_optimizer,
                     micro_batches, optimizer_tensors, pick_device, progress_of)
@@ -35,7 +35,7 @@ def checkpoint_dir(run: Path, step: int) -> Path:
 
 def read_trainer_state(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
     """(checkpoint dir, trainer_state.json) of a training checkpoint or run directory."""
-    ckpt = resolve(path)
+    ckpt = Path(verify(path)["_dir"])  # checksums first: never resume from a damaged checkpoint
     if not (ckpt / STATE).is_file():
         raise CheckpointError(f"{ckpt} holds a model but no training state ({STATE}); "
                               "use --init to start a new run from it instead of --resume")

@@ -204,7 +204,7 @@ class Decoder(GenerationMixin, nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         """Preallocated KV cache for `batch_size` sequences of up to `max_len` positions."""
-        param = self.lm_head.weight
+        param = self.stack.embed.token.weight   # not lm_head's: an int8-quantised output layer (quant.py)
         return self.stack.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
                                     _cache_dtype(param, dtype), param.device, cross=False)
 
@@ -248,6 +248,6 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         return logits, {"encoder": enc_attn, "decoder": dec_attn, "cross": cross_attn}
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
-        param = self.lm_head.weight
+        param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)
         return self.decoder.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
                                       _cache_dtype(param, dtype), param.device, cross=True)

@@ -12,6 +12,7 @@ model fed into W_O, and the traced output must equal a plain forward.
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import dataclass
 
 import torch
@@ -116,11 +117,12 @@ def _greedy_target(model, src: Tensor, start: int, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def run(model: nn.Module, inputs: Inputs, return_attention: bool = False):
-    """The model's forward on `inputs` (in eval mode: no dropout)."""
+    """The model's forward on `inputs` (in eval mode: no dropout), on the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     if inputs.target_ids is not None:
-        return model(inputs.ids, inputs.target_ids, return_attention=return_attention)
-    return model(inputs.ids, return_attention=return_attention)
+        return model(inputs.ids.to(device), inputs.target_ids.to(device), return_attention=return_attention)
+    return model(inputs.ids.to(device), return_attention=return_attention)
 
 
 def attention_maps(model: nn.Module, inputs: Inputs) -> list[AttentionMap]:
@@ -239,7 +241,9 @@ class _Printer:
 
     # --- formatting ------------------------------------------------------------------------
     def line(self, depth: int, what: str, shape: str = "", numbers: str = "") -> None:
-        self.lines.append(f"{'  ' * depth}{what:<{self.WIDTH - 2 * depth}} {shape:<26} {numbers}".rstrip())
+        # combining marks (the hat of x̂) take no column: pad by what the terminal shows
+        pad = self.WIDTH - 2 * depth + sum(unicodedata.combining(ch) > 0 for ch in what)
+        self.lines.append(f"{'  ' * depth}{what:<{pad}} {shape:<26} {numbers}".rstrip())
 
     @staticmethod
     def shape(t: Tensor, letters: str) -> str:
@@ -254,7 +258,7 @@ class _Printer:
     def header(self, kind: str, inputs: Inputs) -> None:
         c = self.cfg
         self.lines += [
-            f"trace of a {type(self.model).__name__} ({kind}): layers={c.n_layers}"
+            f"trace: {type(self.model).__name__} ({kind}), layers={c.n_layers}"
             + (f"+{c.decoder_layers}" if kind == "encoder-decoder" else "")
             + f", D={c.d_model}, H={c.n_heads}, d_k={c.head_dim}, d_ff={c.ffn_dim}, {c.norm_position}-norm "
             f"{c.norm}, {c.positional} positions, {c.activation}",
@@ -320,7 +324,7 @@ class _Printer:
                       self.vec(c.output[0, i], "x_i="))
         else:
             self.sublayer(sub, sub_call, L, keys)
-            self.line(1, f"add & norm (post-norm): x = {norm}(x + sublayer(x))", self.shape(c.output, f"B {L} D"),
+            self.line(1, f"add & norm (post-norm): x = {norm}(x + f(x))", self.shape(c.output, f"B {L} D"),
                       self.vec(c.output[0, i], "x_i="))
 
     def sublayer(self, sub, c: Call, L: str, keys: list[str]) -> None:

@@ -148,7 +148,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay the weight matrices only: norms, biases and embedding tables are left alone (decaying
     them pulls gains towards 0 and rare tokens' vectors towards the origin)."""
     decay, no_decay = [], []
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

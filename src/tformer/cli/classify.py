@@ -1,13 +1,80 @@
-"""`tformer classify` (placeholder until its issue lands)."""
+"""`tformer classify`: label texts with a trained classifier.
+
+    tformer classify --model runs/classify-XXXX "A gorgeous, witty film." "Dull and overlong."
+    cat reviews.txt | tformer classify --model runs/classify-XXXX
+
+One output line per input, in order: the label (as named in the training data) and its probability,
+separated by a tab. Texts longer than the model's context are cut, with a warning on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("classify", help=COMMANDS["classify"], description=COMMANDS["classify"])
+    p = sub.add_parser("classify", help=COMMANDS["classify"], description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to label (default: one per line on stdin)")
+    p.add_argument("--model", required=True, metavar="DIR", help="a classifier checkpoint or run directory")
+    p.add_argument("--all", action="store_true", help="print every label's probability, not just the best")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
     p.set_defaults(func=run)
 
 
+def read_inputs(texts: list[str], what: str = "text") -> list[str]:
+    """The texts from the command line, else the lines of stdin; an empty one is an error (it would
+    silently shift every later output line against its input)."""
+    from tformer.errors import DataError
+
+    if not texts:
+        if sys.stdin.isatty():
+            raise DataError(f"no input: give {what}s as arguments or pipe lines on stdin")
+        texts = sys.stdin.read().splitlines()
+        where = "line"
+    else:
+        where = "argument"
+    for i, t in enumerate(texts, 1):
+        if not t.strip():
+            raise DataError(f"{where} {i} is empty (every input {what} must have some text)")
+    if not texts:
+        raise DataError(f"no input: stdin was empty")
+    return texts
+
+
 def run(args) -> int:
-    raise TformerError("`tformer classify` is not available yet")
+    import torch
+
+    from tformer.checkpoint import load, read_config
+    from tformer.errors import CheckpointError, ConfigError
+    from tformer.models import EncoderClassifier
+    from tformer.tasks.classify import encode_texts, predict_proba
+    from tformer.tasks.common import warn
+    from tformer.tokenizers import load_tokenizer
+
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be at least 1")
+    texts = read_inputs(args.texts)
+    model = load(args.model)
+    if not isinstance(model, EncoderClassifier):
+        raise CheckpointError(f"{args.model} holds a {type(model).__name__}, not a classifier "
+                              "(train one with `tformer train --task classify`)")
+    tokenizer = load_tokenizer(args.model)
+    meta = read_config(args.model).get("meta", {})
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    labels = model.labels or meta.get("labels") or [str(i) for i in range(model.num_labels)]
+    _, cut = encode_texts(tokenizer, texts, max_len)
+    if cut:
+        warn(f"{cut} input(s) longer than the model's {max_len} tokens were truncated")
+    model.eval()
+    probs = predict_proba(model, tokenizer, texts, max_len, args.batch_size)
+    for p in probs:
+        if args.all:
+            print("\t".join(f"{labels[i]} {float(p[i]):.4f}" for i in torch.argsort(p, descending=True).tolist()))
+        else:
+            k = int(p.argmax())
+            print(f"{labels[k]}\t{float(p[k]):.4f}")
+    return 0

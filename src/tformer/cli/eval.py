@@ -1,13 +1,134 @@
-"""`tformer eval` (placeholder until its issue lands)."""
+"""`tformer eval`: score a checkpoint on held-out data.
+
+    tformer eval --model runs/lm-XXXX                 # the run's own validation text: loss, perplexity
+    tformer eval --model runs/classify-XXXX --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
+    tformer eval --model runs/translate-XXXX --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
+
+Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
+fraction, seed), so the scores are on data the model never trained on. With --data: a text file
+(language model), a CSV/TSV/JSONL table (classifier) or a TSV/JSONL of pairs (translator), scored whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help=COMMANDS["eval"], description=COMMANDS["eval"])
+    p = sub.add_parser("eval", help=COMMANDS["eval"], description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint or run directory")
+    p.add_argument("--data", default=None, help="data to score (default: the run's held-out split)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys val_loss, perplexity, accuracy, "
+                   "macro_f1, bleu, chrf, exact_match: those that apply)")
+    p.add_argument("--num-beams", type=int, default=1, help="translation: beam width, 1 = greedy (default 1)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples")
+    p.add_argument("--text-column", default=None, help="classification --data: the text column (default: the run's)")
+    p.add_argument("--label-column", default=None, help="classification --data: the label column (default: the run's)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise TformerError("`tformer eval` is not available yet")
+    from tformer.checkpoint import load, read_config
+    from tformer.errors import ConfigError
+    from tformer.models import Decoder, EncoderClassifier, EncoderDecoder
+    from tformer.tokenizers import load_tokenizer
+
+    if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
+        raise ConfigError("--num-beams and --limit must be at least 1")
+    model = load(args.model)
+    model.eval()
+    tokenizer = load_tokenizer(args.model)
+    meta = read_config(args.model).get("meta", {})
+    if isinstance(model, EncoderClassifier):
+        result, extra = eval_classifier(model, tokenizer, meta, args)
+    elif isinstance(model, EncoderDecoder):
+        result, extra = eval_translator(model, tokenizer, meta, args)
+    elif isinstance(model, Decoder):
+        result, extra = eval_lm(model, tokenizer, meta, args), ""
+    else:
+        raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
+                          "EncoderClassifier or EncoderDecoder")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("  ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        if extra:
+            print(extra)
+    return 0
+
+
+def _limit(items, n):
+    return items if n is None else items[:n]
+
+
+def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
+    import torch
+
+    from tformer.data import read_text, split_text
+    from tformer.errors import ConfigError
+    from tformer.tasks.lm import LMTask
+
+    if args.data is not None:
+        text = read_text(args.data)
+    else:
+        if "data" not in meta:
+            raise ConfigError(f"{args.model} does not record its training data; pass --data")
+        text = split_text(read_text(meta["data"]), meta.get("val_fraction", 0.1))[1]
+    task = LMTask.__new__(LMTask)  # only its evaluate(): the same windows as validation during training
+    task.context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    task.val_ids = torch.tensor(_limit(tokenizer.encode(text), args.limit), dtype=torch.long)
+    if len(task.val_ids) < 2:
+        raise ConfigError("the text to score has fewer than 2 tokens")
+    loss = task.evaluate(model)["val_loss"]
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def eval_classifier(model, tokenizer, meta, args):
+    from tformer.errors import DataError
+    from tformer.tasks.classify import format_confusion, load_data, score, split
+
+    held = meta.get("heldout", {})
+    columns = (args.text_column or held.get("text_column", "text"), args.label_column or held.get("label_column", "label"))
+    labels = model.labels or meta.get("labels")
+    if args.data is not None:
+        data = load_data(args.data, *columns)
+        texts, names = data.texts, data.labels
+    else:
+        data = load_data(held.get("data", "rotten-tomatoes"), *columns)
+        _, val_idx = split(data, held.get("val_fraction", 0.1), held.get("seed", 0))
+        texts, names = [data.texts[i] for i in val_idx], [data.labels[i] for i in val_idx]
+    unknown = sorted(set(names) - set(labels))
+    if unknown:
+        raise DataError(f"label(s) {', '.join(map(repr, unknown))} were not in the model's training data "
+                        f"(it knows {', '.join(map(repr, labels))})")
+    texts, names = _limit(texts, args.limit), _limit(names, args.limit)
+    index = {name: i for i, name in enumerate(labels)}
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    s = score(model, tokenizer, texts, [index[n] for n in names], max_len, labels)
+    return ({"val_loss": s["val_loss"], "accuracy": s["accuracy"], "macro_f1": s["macro_f1"]},
+            format_confusion(s["confusion"], labels))
+
+
+def eval_translator(model, tokenizer, meta, args):
+    from tformer.tasks.translate import load_split, score
+
+    held = meta.get("heldout", {})
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    data = args.data or held.get("data", "numbers-fr-en")
+    if args.data is not None and args.data not in ("numbers-fr-en", "bible-en-es"):
+        from tformer import corpora
+        pairs = corpora.read_pairs(args.data)
+        sources, targets = pairs.sources, pairs.targets
+    else:
+        _, (sources, targets), _ = load_split(data, held.get("val_fraction", 0.1), held.get("seed", 0),
+                                              held.get("heldout_numbers", 1000))
+    sources, targets = _limit(sources, args.limit), _limit(targets, args.limit)
+    s = score(model, tokenizer, sources, targets, max_len, num_beams=args.num_beams)
+    examples = "\n".join(f"{src}  ->  {hyp}   (reference: {ref})"
+                         for src, hyp, ref in list(zip(sources, s["hypotheses"], targets))[:3])
+    return ({k: s[k] for k in ("val_loss", "perplexity", "bleu", "chrf", "exact_match")}, examples)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import (nonneg_float, nonneg_int, positive_float, positive_int, probability, seed,
+                               unit_open_closed)
 
 DEFAULTS = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
@@ -24,25 +26,25 @@ def register(sub) -> None:
                    help="checkpoint directory or run directory (its newest checkpoint); must contain tokenizer.json")
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N",
                    help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}, or fewer if the model's "
                         f"context is full before)")
-    p.add_argument("--temperature", type=float, default=DEFAULTS["temperature"], metavar="T",
+    p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS["temperature"], metavar="T",
                    help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
                         "(default %(default)s)")
-    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], metavar="K",
+    p.add_argument("--top-k", type=nonneg_int, default=DEFAULTS["top_k"], metavar="K",
                    help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
-    p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"], metavar="P",
+    p.add_argument("--top-p", type=unit_open_closed, default=DEFAULTS["top_p"], metavar="P",
                    help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
                         "(default %(default)s)")
-    p.add_argument("--min-p", type=float, default=None, metavar="P",
+    p.add_argument("--min-p", type=probability, default=None, metavar="P",
                    help="drop tokens less likely than P times the most likely one (default off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="R",
                    help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical (default 1)")
-    p.add_argument("--num-beams", type=int, default=1, metavar="N",
+    p.add_argument("--num-beams", type=positive_int, default=1, metavar="N",
                    help="beam search with N beams: the most likely continuation; sampling flags are ignored and the "
                         "text is printed at the end (default 1)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=seed, default=None,
                    help="random seed: the same seed gives the same text (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the generated text contains STR (not printed); repeatable")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from tformer.cli import COMMANDS
@@ -33,15 +34,19 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
 
 def run(args) -> int:
     from tformer.checkpoint import save
-    from tformer.hf import from_hf, load_hf_tokenizer, read_hf_config
+    from tformer.hf import convert_hf, load_hf_tokenizer, read_hf_config
 
     src, dst = Path(args.src), Path(args.dst)
     check_destination(src, dst, args.force)
-    model = from_hf(src)
+    model, dropped = convert_hf(src)
     tokenizer = load_hf_tokenizer(src)
     model_type = read_hf_config(src)["model_type"]
     save(model, dst, tokenizer=tokenizer, meta={"source": "huggingface", "hf_model_type": model_type,
                                                 "hf_dir": str(src.resolve())})
+    for why in dict.fromkeys(dropped.values()):          # say what was left out, once per reason
+        keys = [k for k, w in dropped.items() if w == why]
+        print(f"note: not imported: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({why})",
+              file=sys.stderr)
     n = sum(p.numel() for p in model.parameters())
     extra = " + tokenizer.json" if tokenizer is not None else ""
     print(f"imported {model_type} as {type(model).__name__} ({n / 1e6:.2f}M parameters){extra}: {dst}")

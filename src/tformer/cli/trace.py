@@ -11,6 +11,7 @@ FFN; norm; residual — with its shape and the first numbers of the followed tok
 from __future__ import annotations
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import nonneg_int, positive_int
 
 
 def register(sub) -> None:
@@ -24,8 +25,8 @@ def register(sub) -> None:
     p.add_argument("--token", type=int, default=None, metavar="I",
                    help="position of the token to follow; negative counts from the end (default: the last; "
                         "the first for a classifier, whose head reads it)")
-    p.add_argument("--head", type=int, default=0, metavar="H", help="attention head to show (default 0)")
-    p.add_argument("--numbers", type=int, default=4, metavar="N",
+    p.add_argument("--head", type=nonneg_int, default=0, metavar="H", help="attention head to show (default 0)")
+    p.add_argument("--numbers", type=positive_int, default=4, metavar="N",
                    help="how many numbers of each vector to print (default %(default)s)")
     p.set_defaults(func=run)
 

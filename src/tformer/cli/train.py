@@ -19,6 +19,7 @@ from tformer.errors import ConfigError
 # Flags that may change when a run is resumed; everything else comes from the saved run.
 RESUMABLE = ("max_steps", "time_budget", "save_every", "eval_every", "log_every", "keep", "stop_at", "progress",
              "device")
+ONCE = ("stop_at", "progress", "device")  # apply to one invocation only, never inherited by --resume
 
 
 def _number(kind, low: float, inclusive: bool = True, what: str = "number"):
@@ -69,6 +70,8 @@ def register(sub) -> None:
     a("--vocab-size", type=positive_int, default=2000, help="BPE vocabulary size (default 2000)")
     a("--context", type=positive_int, default=None, help="tokens per training window (default: the preset's max_seq_len)")
     a("--dropout", type=dropout, default=None, help="dropout probability (default: the preset's)")
+    a("--errors", default="strict", choices=("strict", "replace"),
+      help="bytes in --data that are not UTF-8: stop with an error naming the byte (default), or read them as U+FFFD")
     a("--val-fraction", type=fraction, default=0.1, help="share of the data held out for validation (default 0.1)")
     a("--init", default=None, metavar="DIR", help="start from the weights (and tokenizer) of this checkpoint")
     a("--out", default=None, metavar="DIR", help="run directory (default runs/<task>-<date>-<time>)")
@@ -97,10 +100,29 @@ def register(sub) -> None:
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     for name in TASKS:
         try:
-            task_class(name).add_arguments(p)
+            task_class(name).add_arguments(_Shared(p, p))
         except ConfigError:
             pass  # a task that is not installed adds no flags; choosing it reports why
     p.set_defaults(func=run, _parser=p)
+
+
+class _Shared:
+    """Hands a parser (or argument group) to a task's add_arguments. Two tasks may declare the
+    same flag (e.g. --max-len for classify and translate): the first declaration is kept."""
+
+    def __init__(self, target, parser):
+        self.target, self.parser = target, parser
+
+    def add_argument(self, *names, **kwargs):
+        if any(n in self.parser._option_string_actions for n in names):
+            return None
+        return self.target.add_argument(*names, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        return _Shared(self.parser.add_argument_group(*args, **kwargs), self.parser)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
 
 
 def explicit_args(args, parser) -> set[str]:
@@ -119,7 +141,8 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
     if clash:
         raise ConfigError(f"--resume continues the saved run; these flags cannot change: "
                           f"{', '.join('--' + c.replace('_', '-') for c in clash)}")
-    merged = argparse.Namespace(**{**vars(args), **state.get("args", {}), **{k: getattr(args, k) for k in given}})
+    saved = {k: v for k, v in state.get("args", {}).items() if k not in ONCE}
+    merged = argparse.Namespace(**{**vars(args), **saved, **{k: getattr(args, k) for k in given}})
     merged.out, merged.resume = str(run_dir_of(ckpt)), str(ckpt)
     return merged, str(ckpt)
 

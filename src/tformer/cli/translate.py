@@ -1,13 +1,51 @@
-"""`tformer translate` (placeholder until its issue lands)."""
+"""`tformer translate`: translate lines with a trained encoder-decoder.
+
+    tformer translate --model runs/translate-XXXX "quatre-vingt-dix-sept"
+    tformer translate --model runs/translate-XXXX --num-beams 4 < sentences.txt
+
+One output line per input, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("translate", help=COMMANDS["translate"], description=COMMANDS["translate"])
+    p = sub.add_parser("translate", help=COMMANDS["translate"], description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to translate (default: one per line on stdin)")
+    p.add_argument("--model", required=True, metavar="DIR", help="an encoder-decoder checkpoint or run directory")
+    p.add_argument("--num-beams", type=int, default=4, help="beam search width; 1 = greedy (default 4)")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default 32)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise TformerError("`tformer translate` is not available yet")
+    from tformer.checkpoint import load, read_config
+    from tformer.cli.classify import read_inputs
+    from tformer.errors import CheckpointError, ConfigError
+    from tformer.models import EncoderDecoder
+    from tformer.tasks.common import warn
+    from tformer.tasks.translate import encode_pairs, translate
+    from tformer.tokenizers import load_tokenizer
+
+    if args.num_beams < 1 or args.batch_size < 1:
+        raise ConfigError("--num-beams and --batch-size must be at least 1")
+    texts = read_inputs(args.texts, "sentence")
+    model = load(args.model)
+    if not isinstance(model, EncoderDecoder):
+        raise CheckpointError(f"{args.model} holds a {type(model).__name__}, not an encoder-decoder "
+                              "(train one with `tformer train --task translate`)")
+    tokenizer = load_tokenizer(args.model)
+    meta = read_config(args.model).get("meta", {})
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    src, _ = encode_pairs(tokenizer, texts, None, max_len + 1)
+    cut = sum(len(s) > max_len for s in src)
+    if cut:
+        warn(f"{cut} input(s) longer than the model's {max_len} tokens were truncated")
+    for line in translate(model, tokenizer, texts, args.num_beams, max_len, args.batch_size):
+        print(line, flush=False)
+    return 0

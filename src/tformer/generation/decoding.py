@@ -51,7 +51,7 @@ class Settings:
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             bad("max_new_tokens", "must be an integer >= 0")
-        if self.temperature is None or self.temperature < 0:
+        if self.temperature is None or not self.temperature >= 0:  # `not >=` also refuses NaN
             bad("temperature", "must be >= 0 (0 means greedy)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             bad("top_k", "must be an integer >= 0 (0 or None turns top-k off)")
@@ -93,6 +93,11 @@ def make_settings(model, *, max_new_tokens=20, do_sample=False, temperature=1.0,
     """eos_token_id / pad_token_id default to the model config's (pass eos_token_id=[] for none);
     finished rows are padded with pad_token_id, else the first EOS id, else 0."""
     cfg = model.cfg
+    # None means "the default", as in HF (top_k=None: no top-k filter)
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
+    length_penalty = 1.0 if length_penalty is None else length_penalty
     eos = _as_list(cfg.eos_token_id if eos_token_id is None else eos_token_id)
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
@@ -225,6 +230,7 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
     generator / seed for reproducible sampling (no global RNG is touched). `streamer(tokens)` is
     called with each step's new tokens (N,) (not with beam search, where tokens are not final)."""
     s = make_settings(model, **kwargs)
+    generator = _generator(generator, seed, input_ids.device) if s.do_sample else None
     with torch.inference_mode():
         if s.num_beams > 1:
             if streamer is not None:
@@ -233,7 +239,7 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
             p = prepare(model, input_ids, attention_mask, s, s.num_beams)
             return beam_search(p, s, input_ids.size(0), generator)
         p = prepare(model, input_ids, attention_mask, s, s.num_return_sequences)
-        steps = _run(sample_steps(p, s, _generator(generator, seed, input_ids.device)), streamer)
+        steps = _run(sample_steps(p, s, generator), streamer)
         return p.seqs[:, :p.prompt_len + steps]
 
 

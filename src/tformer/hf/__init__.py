@@ -4,6 +4,13 @@ One small module per family (gpt2, bert, marian, bart, llama) declares its key m
 how config.json maps to ModelConfig (refusing what tformer cannot reproduce exactly), and the
 reverse. This package needs only torch and safetensors: `transformers` is not imported.
 
+Import is strict: every tensor the key map names must be present with the right shape, and any
+other tensor is an error unless the family declares it as left out, with the reason (IGNORED:
+BERT's pooler and pre-training heads, old causal-mask buffers...; `convert_hf` returns them).
+Loaded weights go into fp32 parameters; HF's several dropout rates become tformer's one.
+Optional family hooks: prepare_import (Marian/BART: final_logits_bias, position-table check),
+export_state (Marian: re-basing an interleaved position table), export_extra (copies HF expects).
+
     model = tformer.from_hf("hf_dir")        # config.json + model.safetensors | pytorch_model.bin
     tformer.to_hf(model, "out_dir")          # config.json + model.safetensors (+ tokenizer.json)
 """
@@ -11,6 +18,7 @@ reverse. This package needs only torch and safetensors: `transformers` is not im
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -23,6 +31,7 @@ from ..checkpoint import load_state, replace_dir, unique_state_dict, write_json_
 from ..errors import CheckpointError, ConfigError
 from . import bart, bert, gpt2, keymap, llama, marian
 
+log = logging.getLogger(__name__)
 FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, bert, marian, bart, llama)}
 # Export: which HF family each tformer model kind may become, tried in this order.
 EXPORT_ORDER = {"decoder": (gpt2, llama), "encoder": (bert,), "encoder-decoder": (marian, bart)}
@@ -87,7 +96,16 @@ def _strip_prefix(state: dict[str, Tensor], family) -> dict[str, Tensor]:
 def from_hf(path: str | os.PathLike) -> nn.Module:
     """A tformer model (in eval mode, fp32 parameters) with the weights of a Hugging Face directory.
     Raises ConfigError for a model tformer cannot represent exactly and CheckpointError for missing,
-    unexpected or wrongly shaped tensors, each naming what is wrong."""
+    unexpected or wrongly shaped tensors, each naming what is wrong. Tensors a family declares as
+    not part of the tformer model (BERT's pooler, say) are logged at INFO level."""
+    model, dropped = convert_hf(path)
+    for key, why in dropped.items():
+        log.info("%s: not imported: %s (%s)", path, key, why)
+    return model
+
+
+def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
+    """from_hf, also returning the HF tensors left out on purpose: {name: declared reason}."""
     path = Path(path)
     hf_config = read_hf_config(path)
     model_type = hf_config.get("model_type")
@@ -104,9 +122,10 @@ def from_hf(path: str | os.PathLike) -> nn.Module:
         family.prepare_import(hf_state, cfg, source)
     rules = family.rules(cfg)
     expected = {k: tuple(v.shape) for k, v in keymap.to_hf(rules, unique_state_dict(model), cfg).items()}
-    keymap.check_hf_state(hf_state, expected, family.IGNORED, set(), source)
+    keymap.check_hf_state(hf_state, expected, family.IGNORED, source)
     load_state(model, keymap.to_ours(rules, hf_state), source)
-    return model.eval()
+    dropped = {k: keymap.ignored(k, family.IGNORED) for k in sorted(hf_state) if k not in expected}
+    return model.eval(), dropped
 
 
 def hf_family(model: nn.Module):
@@ -120,7 +139,7 @@ def hf_family(model: nn.Module):
         problems = family.fits(cfg)
         if not problems:
             return family
-        reasons.append(f"{family.MODEL_TYPE} needs {', '.join(problems)}")
+        reasons.append(f"{family.MODEL_TYPE} does not fit: {', '.join(problems)}")
     raise ConfigError(f"no Hugging Face family represents this {cfg.kind} exactly: {'; '.join(reasons)}")
 
 
@@ -132,7 +151,10 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
 
     family = hf_family(model)
     cfg = model.cfg
-    state = keymap.to_hf(family.rules(cfg), {k: v.detach().cpu() for k, v in unique_state_dict(model).items()}, cfg)
+    state = {k: v.detach().cpu() for k, v in unique_state_dict(model).items()}
+    if hasattr(family, "export_state"):          # Marian: an interleaved position table, re-based
+        state = family.export_state(state, cfg)
+    state = keymap.to_hf(family.rules(cfg), state, cfg)
     if hasattr(family, "export_extra"):
         family.export_extra(state, cfg)
     p = family.EXPORT_PREFIX
@@ -156,21 +178,12 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
 
 
 def load_hf_tokenizer(path: str | os.PathLike):
-    """The tokenizer.json of an HF directory (a tformer Tokenizer when available, else a `tokenizers`
-    Tokenizer; both have .encode/.decode/.save), or None when the directory has none."""
+    """The tokenizer.json of an HF directory as a tformer Tokenizer (read with the `tokenizers`
+    library), or None when the directory has none."""
+    from ..tokenizers import Tokenizer
+
     file = Path(path) / "tokenizer.json"
-    if not file.exists():
-        return None
-    try:
-        from ..tokenizers import Tokenizer
-        return Tokenizer.from_file(str(file))
-    except ImportError:
-        pass
-    from tokenizers import Tokenizer as HFTokenizer
-    try:
-        return HFTokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a plain Exception for unreadable files
-        raise CheckpointError(f"{file} cannot be read as a tokenizers file ({e})") from None
+    return Tokenizer.from_file(file) if file.exists() else None
 
 
-__all__ = ["from_hf", "to_hf", "load_hf_tokenizer", "hf_family", "FAMILIES"]
+__all__ = ["from_hf", "convert_hf", "to_hf", "load_hf_tokenizer", "hf_family", "read_hf_config", "FAMILIES"]

@@ -29,8 +29,8 @@ DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_att
                 add_cross_attention=False, position_embedding_type="absolute", bos_token_id=None, eos_token_id=None)
 
 LAYER = [
-    ("attn.qkv_proj.weight", ("attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight")),
-    ("attn.qkv_proj.bias", ("attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias")),
+    *((f"attn.qkv_proj.{p}", tuple(f"attention.self.{x}.{p}" for x in ("query", "key", "value")))  # [q; k; v]
+      for p in ("weight", "bias")),
     ("attn.out_proj.weight", "attention.output.dense.weight"), ("attn.out_proj.bias", "attention.output.dense.bias"),
     ("attn_residual.norm.weight", "attention.output.LayerNorm.weight"),
     ("attn_residual.norm.bias", "attention.output.LayerNorm.bias"),
@@ -58,8 +58,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def fits(cfg: ModelConfig) -> list[str]:
     return mismatches(cfg, dict(kind="encoder", norm_position="post", positional="learned", norm="layernorm",
                                 bias=True, embed_scale=False, embedding_norm=True, position_offset=0,
-                                type_vocab_size=lambda n: n >= 1, activation=lambda a: a in ACT_TO_HF,
-                                n_kv_heads=lambda n: n is None or n == cfg.n_heads))
+                                type_vocab_size=(lambda n: n >= 1, ">= 1: BERT always adds segment embeddings"),
+                                activation=list(ACT_TO_HF),
+                                n_kv_heads=[None, cfg.n_heads]))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -53,8 +53,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def fits(cfg: ModelConfig) -> list[str]:
     return mismatches(cfg, dict(kind="decoder", norm_position="pre", positional="learned", norm="layernorm",
                                 bias=True, embed_scale=False, embedding_norm=False, type_vocab_size=0,
-                                position_offset=0, lm_head_bias=False, activation=lambda a: a in ACT_TO_HF,
-                                n_kv_heads=lambda n: n is None or n == cfg.n_heads))
+                                position_offset=0, lm_head_bias=False, activation=list(ACT_TO_HF),
+                                n_kv_heads=[None, cfg.n_heads]))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

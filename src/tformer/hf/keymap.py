@@ -43,8 +43,9 @@ def layer_rules(template: list[tuple[str, tuple[str, ...] | str]], ours_prefix: 
     return rules
 
 
-def ignored(key: str, patterns: dict[str, str]) -> bool:
-    return any(re.fullmatch(p, key) for p in patterns)
+def ignored(key: str, patterns: dict[str, str]) -> str | None:
+    """The declared reason for not importing `key`, or None when it must be imported."""
+    return next((why for p, why in patterns.items() if re.fullmatch(p, key)), None)
 
 
 def to_ours(rules: list[Rule], hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -77,10 +78,10 @@ def to_hf(rules: list[Rule], state: dict[str, Tensor], cfg: ModelConfig) -> dict
 
 
 def check_hf_state(hf_state: dict[str, Tensor], expected: dict[str, tuple[int, ...]], ignore: dict[str, str],
-                   optional: set[str], source: str) -> None:
+                   source: str) -> None:
     """Strict check in HF's own names: nothing missing, nothing unexpected, every shape right."""
-    missing = sorted(k for k in expected if k not in hf_state and k not in optional)
-    unexpected = sorted(k for k in hf_state if k not in expected and not ignored(k, ignore))
+    missing = sorted(k for k in expected if k not in hf_state)
+    unexpected = sorted(k for k in hf_state if k not in expected and ignored(k, ignore) is None)
     if missing or unexpected:
         parts = []
         if missing:
@@ -113,7 +114,7 @@ ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "s
 
 def hf_activation(name, key: str, family: str) -> str:
     if name not in ACT_FROM_HF:
-        raise ConfigError(f"{family}: {key}={name!r} is not supported (tformer has {', '.join(ACT_FROM_HF)})")
+        raise ConfigError(f"{family}: {key}={name!r} is not supported (tformer reads {', '.join(ACT_FROM_HF)})")
     return ACT_FROM_HF[name]
 
 
@@ -129,13 +130,19 @@ def refuse_unless(ok: bool, family: str, what: str) -> None:
 
 
 def mismatches(cfg: ModelConfig, wanted: dict) -> list[str]:
-    """Fields of `cfg` that differ from what an HF family requires, as 'field=value (needs X)'."""
+    """Fields of `cfg` that differ from what an HF family requires, as "field=value (needs X)".
+    A requirement is a value, a list of allowed values, or (predicate, description)."""
     out = []
     for field, need in wanted.items():
         have = getattr(cfg, field)
-        ok = need(have) if callable(need) else have == need
+        if isinstance(need, tuple):
+            ok, text = need[0](have), need[1]
+        elif isinstance(need, list):
+            ok, text = have in need, "one of " + ", ".join(map(repr, need))
+        else:
+            ok, text = have == need, repr(need)
         if not ok:
-            out.append(f"{field}={have!r}" + ("" if callable(need) else f" (needs {need!r})"))
+            out.append(f"{field}={have!r} (needs {text})")
     return out
 
 

@@ -4,6 +4,11 @@ embeddings scaled by sqrt(d_model) (scale_embedding), final_logits_bias, decoder
 
 The sinusoidal table is not a weight in tformer. transformers usually does not save it; when a file
 does hold it, it must equal the formula (checked), or the checkpoint is refused.
+
+A model with the paper's "interleaved" table (sin on even, cos on odd dimensions) is exported too:
+the split table is the interleaved one with its columns reordered, so reordering the residual-stream
+dimensions of every weight the same way gives an identical function (LayerNorm, attention and the
+FFN do not care about the order of the D dimensions; only the position table did).
 """
 
 from __future__ import annotations
@@ -34,12 +39,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def fits(cfg: ModelConfig) -> list[str]:
-    return seq2seq.fits(cfg, positional="sinusoidal", sinusoidal_layout="split", embedding_norm=False) + (
-        [] if cfg.decoder_start_token_id is not None or cfg.pad_token_id is not None
-        else ["decoder_start_token_id=None and pad_token_id=None (Marian needs a decoder start token)"])
+    return seq2seq.fits(cfg, positional="sinusoidal", position_offset=0, embedding_norm=False) + (
+        [] if seq2seq.decoder_start(cfg) is not None
+        else ["decoder_start_token_id=None (Marian needs a decoder start token; set it, or pad_token_id)"])
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelConfig) -> dict:  # always the split layout: see export_state
     return {**seq2seq.config_to_hf(cfg, MODEL_TYPE, ARCHITECTURE), "decoder_vocab_size": cfg.vocab_size,
             "share_encoder_decoder_embeddings": True}
 
@@ -66,3 +71,27 @@ def prepare_import(hf_state: dict, cfg: ModelConfig, source: str) -> None:
 
 def export_extra(state: dict, cfg: ModelConfig) -> None:
     seq2seq.export_extra(state, cfg)
+
+
+# Which dimension of each tformer tensor indexes the residual stream (D): matrices that read from it
+# (embeddings, input projections, the output layer) have it as columns; those that write to it
+# (output projections) as rows, with their biases; norms along their only dimension.
+READS = ("token.weight", "shared.weight", "lm_head.weight", "qkv_proj.weight", "q_proj.weight", "kv_proj.weight",
+         "ffn.up.weight")
+WRITES = ("out_proj.weight", "out_proj.bias", "ffn.down.weight", "ffn.down.bias", "norm.weight", "norm.bias")
+
+
+def export_state(state: dict, cfg: ModelConfig) -> dict:
+    """The weights in the split layout's basis (see the module docstring)."""
+    if cfg.sinusoidal_layout == "split":
+        return state
+    d = cfg.d_model
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])    # split column j = interleaved perm[j]
+    out = {}
+    for key, t in state.items():
+        if key.endswith(READS):
+            t = t[:, perm]
+        elif key.endswith(WRITES):
+            t = t[perm]
+        out[key] = t
+    return out

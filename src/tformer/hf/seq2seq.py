@@ -23,9 +23,11 @@ def _attention(ours: str, hf: str, cross: bool) -> list[tuple[str, tuple[str, ..
     out = []
     for p in ("weight", "bias"):
         if cross:
-            out += [(f"{ours}.q_proj.{p}", f"{hf}.q_proj.{p}"), (f"{ours}.kv_proj.{p}", (f"{hf}.k_proj.{p}", f"{hf}.v_proj.{p}"))]
+            out += [(f"{ours}.q_proj.{p}", f"{hf}.q_proj.{p}"),
+                    (f"{ours}.kv_proj.{p}", (f"{hf}.k_proj.{p}", f"{hf}.v_proj.{p}"))]           # [k; v]
         else:
-            out.append((f"{ours}.qkv_proj.{p}", (f"{hf}.q_proj.{p}", f"{hf}.k_proj.{p}", f"{hf}.v_proj.{p}")))
+            qkv = tuple(f"{hf}.{x}_proj.{p}" for x in "qkv")
+            out.append((f"{ours}.qkv_proj.{p}", qkv))                                        # [q; k; v]
         out.append((f"{ours}.out_proj.{p}", f"{hf}.out_proj.{p}"))
     return out
 
@@ -87,12 +89,17 @@ def config_from_hf(hf: dict, defaults: dict, family: str, **fixed) -> ModelConfi
 def fits(cfg: ModelConfig, **specific) -> list[str]:
     # transformers' Marian/BART layers use nn.LayerNorm's default eps, 1e-5.
     return mismatches(cfg, dict(kind="encoder-decoder", norm_position="post", norm="layernorm", bias=True,
-                                norm_eps=1e-5, type_vocab_size=0, activation=lambda a: a in ACT_TO_HF,
-                                n_kv_heads=lambda n: n is None or n == cfg.n_heads, **specific))
+                                norm_eps=1e-5, type_vocab_size=0, activation=list(ACT_TO_HF),
+                                n_kv_heads=[None, cfg.n_heads], **specific))
+
+
+def decoder_start(cfg: ModelConfig) -> int | None:
+    """The first decoder input, chosen as tformer's generate() chooses it."""
+    return next((t for t in (cfg.decoder_start_token_id, cfg.bos_token_id, cfg.pad_token_id) if t is not None), None)
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
-    start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.pad_token_id
+    start = decoder_start(cfg)
     return dict(model_type=model_type, architectures=[architecture], is_encoder_decoder=True,
                 vocab_size=cfg.vocab_size, d_model=cfg.d_model, max_position_embeddings=cfg.max_seq_len,
                 encoder_layers=cfg.n_layers, decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.n_heads,

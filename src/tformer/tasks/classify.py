@@ -93,6 +93,8 @@ def format_confusion(matrix: list[list[int]], labels: list[str]) -> str:
 
 class ClassifyTask:
     name = "classify"
+    default_data = "rotten-tomatoes"
+    default_preset = None  # DEFAULT_MODEL
 
     @classmethod
     def add_arguments(cls, parser) -> None:

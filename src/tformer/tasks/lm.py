@@ -35,7 +35,7 @@ class LMTask:
         self.args = args
         self.seed, self.batch_size = args.seed, args.batch_size
         self.init = init
-        text = read_text(args.data)
+        text = read_text(args.data, errors=getattr(args, "errors", "strict"))
         self.train_text, self.val_text = split_text(text, args.val_fraction)
         if tokenizer is None and init is not None:
             from ..tokenizers import load_tokenizer

@@ -1,0 +1,125 @@
+"""Decoding and prefill: tformer `generate` vs Hugging Face `generate`, same weights (a randomly
+initialised GPT2LMHeadModel converted with tformer.from_hf), greedy, EOS off so every run makes
+exactly the requested tokens.
+
+Ceiling at batch 1: each new token reads every weight once (the token embedding through the tied
+output layer; the position table only one row), so tokens/s <= read bandwidth / weight bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import from_hf_model, hf_gpt2, interleaved_times, median_time, weight_bytes
+
+GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
+SMALL = dict(n_layers=4, d_model=256, n_heads=4, vocab=2048, n_positions=512)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _peers(shape: dict, dtype: torch.dtype, device: str):
+    hf = hf_gpt2(**shape)
+    hf.generation_config.eos_token_id = None        # never stop early: both make exactly N tokens
+    hf.generation_config.pad_token_id = 0
+    ours = from_hf_model(hf)
+    return ours.to(device, dtype).eval(), hf.to(device, dtype).eval()
+
+
+def _generators(ours, hf, ids: torch.Tensor, new: int):
+    def run_ours(n=new):
+        return ours.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+
+    def run_hf(n=new):
+        with torch.inference_mode():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False)
+    return run_ours, run_hf
+
+
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one decoding step reads: every weight, except the position table (one row is read)."""
+    table = model.stack.embed.position
+    skip = table.weight.numel() * table.weight.element_size() if hasattr(table, "weight") else 0
+    return weight_bytes(model) - skip
+
+
+def _row(case, unit, ours_rate, peer_rate, **extra) -> dict:
+    return {"bench": "decode", "case": case, "unit": unit, "tformer": ours_rate, "peer": peer_rate,
+            "peer_name": "HF generate", "ratio": ours_rate / peer_rate, **extra}
+
+
+def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceiling_bw=None, target=None):
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, ours.cfg.vocab_size, (batch, prompt), generator=g).to(device)
+    run_ours, run_hf = _generators(ours, hf, ids, new)
+    run_ours(4), run_hf(4)                                                     # warm-up, short
+    times = interleaved_times({"tformer": run_ours, "hf": run_hf}, device, repeats=repeats, warmup=0)
+    same = torch.equal(run_ours(), run_hf())
+    rates = {k: batch * new / t for k, t in times.items()}
+    extra = {"same_tokens": same, "target": target}
+    if ceiling_bw is not None and batch == 1:
+        ceiling = ceiling_bw * 1e9 / bytes_per_token(ours)
+        extra.update(ceiling=ceiling, utilisation=rates["tformer"] / ceiling,
+                     peer_utilisation=rates["hf"] / ceiling, utilisation_name="of BW ceiling")
+    return _row(case, "tok/s", rates["tformer"], rates["hf"], **extra)
+
+
+def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
+    bw = ceilings["read_GBps"]
+    rows = []
+    new, repeats = (16, 1) if quick else (128, 3)
+    shape = dict(GPT2, n_layers=2) if quick else GPT2
+    name = "GPT-2-small" if not quick else "GPT-2 2-layer"
+    for dname, dtype in DTYPES.items():
+        ours, hf = _peers(shape, dtype, device)
+        for batch in (1, 8):
+            target = (1.0 if batch == 1 else 1.3)
+            rows.append(_decode_case(ours, hf, batch, 32, new, device, repeats,
+                                     f"{name} b{batch} {dname} p32+{new}", bw, target))
+        if dname == "bf16":
+            rows.append(_int8_case(ours, hf, new, device, repeats, name, bw))
+        if dname == "fp32":
+            rows += _prefill_and_context(ours, hf, device, quick)
+        del ours, hf
+    ours, hf = _peers(SMALL, torch.float32, device)
+    rows.append(_decode_case(ours, hf, 1, 32, 50 if quick else 200, device, repeats,
+                             f"small 4L/256/V2048 b1 fp32 p32+{50 if quick else 200}", bw, 2.0))
+    return rows
+
+
+def _int8_case(ours, hf_bf16, new, device, repeats, name, bw) -> dict:
+    """tformer with int8 weights (bf16 activations) vs HF with bf16 weights: fewer bytes per token."""
+    from ..quant import quantize_int8
+
+    quantize_int8(ours)
+    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", bw, 1.5)
+    row["peer_name"] = "HF generate bf16"
+    return row
+
+
+def _prefill_and_context(ours, hf, device, quick) -> list[dict]:
+    """Time to first token (prefill + one step) for several prompt lengths, and the time per
+    decoded token as the context grows (with a KV cache it should stay nearly flat)."""
+    rows = []
+    lengths = (1, 64) if quick else (1, 256, 1024 - 1)
+    g = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(0, ours.cfg.vocab_size, (1, n), generator=g).to(device)
+        run_ours, run_hf = _generators(ours, hf, ids, 1)
+        times = interleaved_times({"tformer": run_ours, "hf": run_hf}, device, repeats=2 if quick else 3, warmup=1)
+        rows.append(_row(f"prefill {n} tok fp32 (time to 1st token)", "ms", times["tformer"] * 1e3,
+                         times["hf"] * 1e3, ratio=times["hf"] / times["tformer"]))
+    contexts = (16, 64) if quick else (32, 256, 768)
+    new = 4 if quick else 16
+    per_token = {}
+    for n in contexts:
+        ids = torch.randint(0, ours.cfg.vocab_size, (1, n), generator=g).to(device)
+        run_ours, run_hf = _generators(ours, hf, ids, new + 1)
+        first_ours, first_hf = _generators(ours, hf, ids, 1)
+        t = {k: median_time(f, device, repeats=2 if quick else 3)
+             for k, f in (("ours", run_ours), ("hf", run_hf), ("ours1", first_ours), ("hf1", first_hf))}
+        ours_ms, hf_ms = ((t[a] - t[b]) / new * 1e3 for a, b in (("ours", "ours1"), ("hf", "hf1")))
+        per_token[n] = ours_ms
+        rows.append(_row(f"decode ms/token at context {n} fp32", "ms", ours_ms, hf_ms, ratio=hf_ms / ours_ms,
+                         growth=ours_ms / per_token[contexts[0]]))
+    return rows

@@ -1,0 +1,229 @@
+"""Translation with an EncoderDecoder (the 2017 model): the encoder reads the source sentence once,
+the decoder writes the target left to right, attending to the encoder's output in every layer.
+Implements the tformer.train.Task protocol.
+
+Data: `numbers-fr-en` (default; French number words -> English, generated on the fly: each step
+draws fresh numbers, never one of the held-out numbers), `bible-en-es` (held out: whole chapters),
+or a user's TSV (source<TAB>target) / JSONL ({"source", "target"}) file (held out: random pairs).
+
+Sequences (one shared BPE vocabulary for both languages, so the embedding is shared too):
+    source          s1 s2 … [eos]
+    decoder input   [bos] t1 t2 …        (teacher forcing: the reference, shifted right)
+    labels          t1 t2 … [eos]        (cross-entropy with label smoothing; padding ignored)
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import corpora, metrics
+from ..data import split_rows, step_generator
+from ..errors import ConfigError, DataError
+from ..models import EncoderDecoder
+from .common import arg, length_batches, model_config, pad, warn
+
+IGNORE = -100
+# The default shape (when --preset is not given): 2 + 2 layers of width 128, the HF Marian reference's
+# shape; post-LN and sinusoidal positions as in the 2017 paper would also do, pre-LN trains faster.
+DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2, d_ff=512, max_seq_len=256, dropout=0.1)
+DEFAULT_VOCAB = {"numbers-fr-en": 512, "bible-en-es": 8000}
+
+
+@lru_cache(maxsize=1 << 17)
+def number_pair(n: int) -> tuple[str, str]:
+    return corpora.number_pair(n)
+
+
+class Heldout:
+    """How to rebuild the held-out pairs of a run (stored in the checkpoint's meta)."""
+
+    @staticmethod
+    def describe(data: str, val_fraction: float, seed: int, heldout_numbers: int) -> dict[str, Any]:
+        return {"data": data, "val_fraction": val_fraction, "seed": seed, "heldout_numbers": heldout_numbers}
+
+
+def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int = 1000):
+    """(training pairs or None for numbers, held-out pairs, held-out numbers set or None) for a data name."""
+    if data == "numbers-fr-en":
+        held = corpora.numbers_heldout(heldout_numbers, seed)
+        pairs = [number_pair(n) for n in held]
+        return None, ([p[0] for p in pairs], [p[1] for p in pairs]), set(held)
+    pairs = corpora.bible_en_es() if data == "bible-en-es" else corpora.read_pairs(data)
+    if len(pairs.sources) < 2:
+        raise DataError(f"{pairs.name} has {len(pairs.sources)} pair(s); need at least 2 (one to train, one to test)")
+    if pairs.groups:
+        test_groups = corpora.heldout_groups(pairs.groups, val_fraction, seed)
+        test = [i for i, g in enumerate(pairs.groups) if g in test_groups]
+        train = [i for i, g in enumerate(pairs.groups) if g not in test_groups]
+    else:
+        train, test = split_rows(list(range(len(pairs.sources))), val_fraction, seed)
+    pick = lambda idx: ([pairs.sources[i] for i in idx], [pairs.targets[i] for i in idx])  # noqa: E731
+    return pick(train), pick(test), None
+
+
+def encode_pairs(tokenizer, sources: list[str], targets: list[str] | None, max_len: int):
+    """Token lists: sources (… [eos]) and, if given, targets (without specials), each cut to fit."""
+    src = [ids[:max_len - 1] + [tokenizer.eos_id] for ids in tokenizer.encode_batch(sources)]
+    tgt = [ids[:max_len - 1] for ids in tokenizer.encode_batch(targets)] if targets is not None else None
+    return src, tgt
+
+
+def collate(tokenizer, src: list[list[int]], tgt: list[list[int]]) -> dict[str, Tensor]:
+    src_ids, src_mask = pad(src, tokenizer.pad_id)
+    tgt_ids, _ = pad([[tokenizer.bos_id] + t for t in tgt], tokenizer.pad_id)
+    labels, label_mask = pad([t + [tokenizer.eos_id] for t in tgt], tokenizer.pad_id)
+    labels[label_mask == 0] = IGNORE
+    return {"src_ids": src_ids, "src_mask": src_mask, "tgt_ids": tgt_ids, "labels": labels}
+
+
+def translate(model: EncoderDecoder, tokenizer, texts: list[str], num_beams: int = 1, max_len: int = 256,
+              batch_size: int = 64) -> list[str]:
+    """Translations of `texts`, in order: greedy (num_beams=1) or beam search."""
+    src, _ = encode_pairs(tokenizer, texts, None, max_len)
+    device = next(model.parameters()).device
+    out: list[str] = [""] * len(texts)
+    was_training = model.training
+    model.eval()
+    for rows in length_batches([len(s) for s in src], batch_size):
+        ids, mask = pad([src[i] for i in rows], tokenizer.pad_id)
+        limit = min(model.cfg.max_seq_len - 1, 2 * ids.size(1) + 10)  # targets are rarely twice the source
+        gen = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=limit,
+                             num_beams=num_beams, do_sample=False, eos_token_id=tokenizer.eos_id,
+                             pad_token_id=tokenizer.pad_id)
+        for r, seq in zip(rows, gen[:, 1:].tolist()):                           # drop the decoder start token
+            if tokenizer.eos_id in seq:
+                seq = seq[:seq.index(tokenizer.eos_id)]
+            out[r] = tokenizer.decode(seq).strip()
+    model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def teacher_forced_loss(model: EncoderDecoder, tokenizer, sources, targets, max_len: int, batch_size: int = 64) -> float:
+    """Mean cross-entropy per target token (incl. [eos]) with the reference as decoder input."""
+    src, tgt = encode_pairs(tokenizer, sources, targets, max_len)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for rows in length_batches([len(s) + len(t) for s, t in zip(src, tgt)], batch_size):
+        b = {k: v.to(device) for k, v in collate(tokenizer, [src[i] for i in rows], [tgt[i] for i in rows]).items()}
+        logits = model(b["src_ids"], b["tgt_ids"], b["src_mask"]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE,
+                                 reduction="sum").item()
+        count += int((b["labels"] != IGNORE).sum())
+    return total / count
+
+
+def score(model, tokenizer, sources, targets, max_len: int, num_beams: int = 1, limit: int | None = None) -> dict:
+    """val_loss on all pairs; BLEU, chrF and exact match of generated translations of the first
+    `limit` pairs (all when None). Returns the hypotheses too."""
+    import math
+
+    loss = teacher_forced_loss(model, tokenizer, sources, targets, max_len)
+    n = len(sources) if limit is None else min(limit, len(sources))
+    hyps = translate(model, tokenizer, sources[:n], num_beams, max_len)
+    refs = targets[:n]
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bleu": metrics.bleu(hyps, refs),
+            "chrf": metrics.chrf(hyps, refs), "exact_match": metrics.exact_match(hyps, refs), "hypotheses": hyps}
+
+
+class TranslateTask:
+    name = "translate"
+    default_data = "numbers-fr-en"
+    default_preset = None  # DEFAULT_MODEL
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        g = parser.add_argument_group("translation (--task translate)")
+        g.add_argument("--label-smoothing", type=float, default=0.1,
+                       help="spread this much target probability over the vocabulary (default: 0.1, as in 2017)")
+        g.add_argument("--heldout-numbers", type=int, default=1000,
+                       help="numbers-fr-en: how many random numbers are held out, never trained on (default: 1000)")
+        g.add_argument("--eval-sentences", type=int, default=200,
+                       help="held-out sentences translated (greedy) at each validation for BLEU/chrF/exact match; "
+                            "val_loss always uses all (default: 200)")
+        g.add_argument("--max-len", type=int, default=None,
+                       help="tokens per source / target sentence; longer ones are cut (default: the model's length)")
+
+    def __init__(self, args, tokenizer=None, init: str | None = None):
+        if init is not None:
+            raise ConfigError("--init is not supported for --task translate (train from scratch, or --resume a run)")
+        self.args = args
+        self.seed = arg(args, "seed", 0)
+        self.val_fraction = arg(args, "val_fraction", 0.05)
+        self.data_name = str(arg(args, "data", "numbers-fr-en"))
+        self.label_smoothing = arg(args, "label_smoothing", 0.1)
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"--label-smoothing {self.label_smoothing} must be in [0, 1)")
+        self.eval_sentences = arg(args, "eval_sentences", 200)
+        self.heldout_numbers = arg(args, "heldout_numbers", 1000)
+        self.batch_size = arg(args, "batch_size", 32)
+        train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
+                                                       self.heldout_numbers)
+        if tokenizer is None:
+            texts = train[0] + train[1] if train is not None else self._number_texts(20000)
+            tokenizer = _train_tokenizer(texts, arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000)))
+        self.tokenizer = tokenizer
+        if None in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id):
+            raise DataError("the tokenizer needs <pad>, <bos> and <eos> tokens for translation")
+        self.cfg = model_config(args, "encoder-decoder", tokenizer.vocab_size, 0, DEFAULT_MODEL,
+                                pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
+                                eos_token_id=tokenizer.eos_id, decoder_start_token_id=tokenizer.bos_id)
+        self.max_len = min(arg(args, "max_len", self.cfg.max_seq_len), self.cfg.max_seq_len)
+        self.train_src = self.train_tgt = None
+        if train is not None:
+            self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len)
+            cut = sum(len(s) >= self.max_len for s in self.train_src) + sum(len(t) >= self.max_len for t in self.train_tgt)
+            if cut:
+                warn(f"{cut} training sentences are longer than {self.max_len} tokens and were cut")
+
+    def _number_texts(self, n: int) -> list[str]:
+        rng = random.Random(f"tokenizer-{self.seed}")
+        pairs = [number_pair(corpora.sample_training_number(rng, self.heldout_set)) for _ in range(n)]
+        return [p[0] for p in pairs] + [p[1] for p in pairs]
+
+    # --- the Task protocol ------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        return EncoderDecoder(self.cfg)
+
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        if self.train_src is None:  # numbers: fresh numbers each step, drawn by (seed, step)
+            rng = random.Random(f"{self.seed}-{step}")
+            pairs = [number_pair(corpora.sample_training_number(rng, self.heldout_set)) for _ in range(self.batch_size)]
+            src, tgt = encode_pairs(self.tokenizer, [p[0] for p in pairs], [p[1] for p in pairs], self.max_len)
+        else:
+            rows = torch.randint(0, len(self.train_src), (self.batch_size,), generator=step_generator(self.seed, step))
+            src, tgt = [self.train_src[i] for i in rows.tolist()], [self.train_tgt[i] for i in rows.tolist()]
+        return collate(self.tokenizer, src, tgt)
+
+    def loss(self, model, batch: dict[str, Tensor]) -> Tensor:
+        logits = model(batch["src_ids"], batch["tgt_ids"], batch["src_mask"])    # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE,
+                               label_smoothing=self.label_smoothing)
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return int(batch["src_mask"].sum()) + int((batch["labels"] != IGNORE).sum())
+
+    def evaluate(self, model) -> dict[str, float]:
+        s = score(model, self.tokenizer, *self.val, self.max_len, limit=self.eval_sentences)
+        return {"val_loss": s["val_loss"], "val_bleu": s["bleu"], "val_chrf": s["chrf"],
+                "val_exact_match": s["exact_match"]}
+
+    def sample(self, model) -> str:
+        sources = self.val[0][:2]
+        return "\n".join(f"{s}  ->  {t}" for s, t in zip(sources, translate(model, self.tokenizer, sources, 1, self.max_len)))
+
+    def meta(self) -> dict[str, Any]:
+        return {"max_len": self.max_len, "label_smoothing": self.label_smoothing,
+                "heldout": Heldout.describe(self.data_name, self.val_fraction, self.seed, self.heldout_numbers)}
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    from ..tokenizers import Tokenizer
+
+    return Tokenizer.train_bpe(texts, vocab_size)

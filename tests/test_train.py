@@ -1,0 +1,219 @@
+"""The trainer: schedule, optimizer groups, gradient accumulation, resume, atomic checkpoints,
+Ctrl-C, DDP under torchrun, bad input. Tiny models and a few steps each."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tformer
+from tformer.cli import build_parser, main
+from tformer.train import TrainConfig, fit, lr_at, param_groups, progress_of
+
+TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+        "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n") * 30
+SMALL = ["--preset", "tiny", "--context", "32", "--batch-size", "8", "--warmup", "2", "--eval-every", "1000",
+         "--no-progress", "--precision", "fp32", "--dropout", "0"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "play.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return str(path)
+
+
+def train(argv: list[str]) -> dict:
+    """`tformer train ARGV` in this process, through the CLI's own argument handling."""
+    from tformer.cli.train import prepare
+
+    task, cfg, resume, saved = prepare(build_parser().parse_args(["train", *argv]))
+    return fit(task, cfg, resume=resume, args=saved)
+
+
+def weights(run: str) -> dict[str, torch.Tensor]:
+    return tformer.load(run).state_dict()
+
+
+def test_schedule_shape():
+    cfg = TrainConfig(out="x", max_steps=110, lr=1e-3, min_lr_ratio=0.1, warmup=10)
+    lrs = [lr_at(cfg, s, progress_of(cfg, s, 0.0, None)) for s in range(110)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)      # linear warm-up
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))                        # then decays
+    assert lrs[60] == pytest.approx(1e-4 + 0.5 * 0.9e-3)                          # cosine midpoint
+    assert lr_at(cfg, 110, progress_of(cfg, 110, 0.0, None)) == pytest.approx(1e-4)
+    timed = TrainConfig(out="x", time_budget=100.0, warmup=10)                    # decay over the clock
+    assert progress_of(timed, 50, elapsed=55.0, warm_elapsed=10.0) == pytest.approx(0.5)
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    model = tformer.Decoder(tformer.preset("tiny", vocab_size=20))
+    decay, no_decay = param_groups(model, 0.1)
+    names = dict(model.named_parameters())
+    assert all(names[n].dim() == 2 and "embed" not in n for n in decay["names"])
+    assert "stack.embed.token.weight" in no_decay["names"] and any("norm" in n for n in no_decay["names"])
+    assert len(decay["names"]) + len(no_decay["names"]) == len(names)
+
+
+def test_grad_accumulation_equals_full_batch(data, tmp_path):
+    a = train(["--data", data, *SMALL, "--max-steps", "3", "--out", str(tmp_path / "a")])
+    b = train(["--data", data, *SMALL, "--max-steps", "3", "--grad-accum", "4", "--out", str(tmp_path / "b")])
+    wa, wb = weights(a["run_dir"]), weights(b["run_dir"])
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_resume_reaches_identical_weights(data, tmp_path):
+    """6 steps straight == 3 steps, stop, resume, 3 more (dropout on, bf16: everything must match)."""
+    flags = ["--data", data, *SMALL, "--max-steps", "6", "--dropout", "0.1", "--precision", "bf16"]
+    straight = train([*flags, "--out", str(tmp_path / "straight")])
+    half = train([*flags, "--out", str(tmp_path / "split"), "--stop-at", "3"])
+    assert half["reason"] == "stop_at" and half["step"] == 3
+    resumed = train(["--resume", str(tmp_path / "split")])
+    assert resumed["step"] == 6 and resumed["reason"] == "max_steps"
+    ws, wr = weights(straight["run_dir"]), weights(resumed["run_dir"])
+    assert all(torch.equal(ws[k], wr[k]) for k in ws)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "split" / "metrics.jsonl")]
+    assert steps == sorted(steps) and steps[-1] == 6
+    state = json.loads((Path(resumed["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["step"] == 6 and "--stop-at" not in state["command"] and state["args"]["max_steps"] == 6
+
+
+def test_checkpoints_are_complete_and_pruned(data, tmp_path):
+    run = train(["--data", data, *SMALL, "--max-steps", "5", "--save-every", "1", "--keep", "2",
+                 "--eval-every", "2", "--out", str(tmp_path / "r")])
+    ckpts = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert ckpts == ["step-0000004", "step-0000005"]
+    names = set(os.listdir(run["checkpoint"]))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.safetensors",
+            "trainer_state.json", "rng.safetensors"} <= names
+    records = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 3 and run["best_val_loss"] == min(vals)      # steps 2, 4 and the final 5
+    assert {"step", "train_loss", "lr", "tokens_per_s", "elapsed"} <= set(records[-1])
+
+
+def _spawn(argv):
+    return subprocess.Popen([sys.executable, "-m", "tformer", "train", *argv], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(ready, timeout: float = 120.0):
+    end = time.time() + timeout
+    while time.time() < end and not ready():
+        time.sleep(0.05)
+    assert ready(), "the training process never got going"
+
+
+def _has_checkpoint(run: Path):
+    return lambda: any((p / "config.json").exists() for p in run.glob("checkpoints/step-*"))
+
+
+def test_sigkill_never_leaves_an_unreadable_latest_checkpoint(data, tmp_path):
+    run = tmp_path / "k"
+    proc = _spawn(["--data", data, *SMALL, "--max-steps", "100000", "--save-every", "1", "--keep", "2",
+                   "--out", str(run)])
+    try:
+        _wait_for(_has_checkpoint(run))
+        for delay in (0.0, 0.13, 0.29):          # land at different points of the write/rename/prune cycle
+            time.sleep(delay)
+            state = json.loads((tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())
+            assert state["step"] >= 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    model = tformer.load(run)                       # checksums verified
+    assert isinstance(model, tformer.Decoder)
+    resumed = train(["--resume", str(run), "--max-steps", str(json.loads(
+        (tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())["step"] + 1)])
+    assert resumed["reason"] == "max_steps"
+
+
+def test_ctrl_c_saves_and_exits_cleanly(data, tmp_path):
+    run = tmp_path / "c"
+    proc = _spawn(["--data", data, *SMALL, "--max-steps", "100000", "--save-every", "100000", "--log-every", "1",
+                   "--out", str(run)])
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size > 0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "--resume" in err
+    step = json.loads((tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())["step"]
+    assert step >= 1 and isinstance(tformer.load(run), tformer.Decoder)
+
+
+def test_torchrun_two_processes_match_one(data, tmp_path):
+    flags = ["--data", data, *SMALL, "--max-steps", "3"]
+    one = train([*flags, "--out", str(tmp_path / "one")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           "-m", "tformer", "train", *flags, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w1, w2 = weights(one["run_dir"]), weights(str(tmp_path / "two"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-5)
+    state = json.loads((tformer.checkpoint.resolve(tmp_path / "two") / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "binary", "preset", "resume", "context", "out-file",
+                                  "existing-run", "zero-steps", "bad-lr", "batch-split"])
+def test_bad_input_is_a_one_line_error(case, data, tmp_path, capsys):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "metrics.jsonl").write_text("keep me\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)))
+    (tmp_path / "file").write_text("a file")
+    out = str(tmp_path / "out")
+    argv = {
+        "missing": ["--data", str(tmp_path / "nope.txt")],
+        "empty": ["--data", str(tmp_path / "empty.txt")],
+        "binary": ["--data", str(tmp_path / "bin.txt")],
+        "preset": ["--data", data, "--preset", "enormous"],
+        "resume": ["--resume", str(existing)],
+        "context": ["--data", data, "--preset", "tiny", "--context", "100000"],
+        "out-file": ["--data", data, "--preset", "tiny", "--context", "32", "--out", str(tmp_path / "file" / "run")],
+        "existing-run": ["--data", data, "--preset", "tiny", "--context", "32", "--out", str(existing)],
+        "zero-steps": ["--data", data, "--max-steps", "0"],
+        "bad-lr": ["--data", data, "--lr", "-1"],
+        "batch-split": ["--data", data, "--batch-size", "6", "--grad-accum", "4"],
+    }[case]
+    if "--out" not in argv:
+        argv += ["--out", out]
+    with pytest.raises(SystemExit) if case in ("zero-steps", "bad-lr") else _no_raise() as exit_info:
+        code = main(["train", *argv, "--max-steps" if case not in ("zero-steps",) else "--seed", "2", "--no-progress"])
+    code = exit_info.value.code if case in ("zero-steps", "bad-lr") else code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert (existing / "metrics.jsonl").read_text() == "keep me\n"       # nothing overwritten
+    assert not Path(out, "checkpoints").exists()
+
+
+class _no_raise:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_generate_is_reproducible(data, tmp_path):
+    run = train(["--data", data, *SMALL, "--max-steps", "2", "--out", str(tmp_path / "g")])["run_dir"]
+    cmd = [sys.executable, "-m", "tformer", "generate", "--model", run, "--prompt", "To be",
+           "--max-new-tokens", "20", "--seed", "1"]
+    first = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    if "not available yet" in first.stderr:
+        pytest.skip("tformer generate is not implemented yet")
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert first.stdout == second.stdout and first.stdout.startswith("To be")
