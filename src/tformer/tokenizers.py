@@ -39,6 +39,10 @@ class Tokenizer:
         self.kind = kind
         # Special tokens are never recognised inside user text: "<eos>" in a play is five characters.
         self.hf.encode_special_tokens = True
+        # Some tokenizer.json files (e.g. MiniLM's) pad every encoding to a fixed length; tformer
+        # pads batches itself and truncates with a warning, so one text is exactly its tokens.
+        self.hf.no_padding()
+        self.hf.no_truncation()
         self.pad_id, self.bos_id, self.eos_id = (self._role(r) for r in ("pad", "bos", "eos"))
         self.special_ids = {i for i in (self.pad_id, self.bos_id, self.eos_id) if i is not None}
 
