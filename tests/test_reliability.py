@@ -163,6 +163,9 @@ CASES = [
     ("eval-wrong-columns", "eval --model {clf} --data {d}/wrong_cols.csv", "label"),
     ("eval-pairs-no-tab", "eval --model {mt} --data {d}/no_tab.tsv", "tab"),
     ("eval-hf-dir", "eval --model {b}/hf", "import-hf"),
+    ("classify-batch-size", "classify --model {clf} --batch-size 0 good", "--batch-size"),
+    ("translate-num-beams", "translate --model {mt} --num-beams -2 un", "--num-beams"),
+    ("eval-limit", "eval --model {lm} --limit 0", "--limit"),
     # attention / trace
     ("attention-out-under-file", "attention --model {lm} --text hi --out {d}/lm.txt/attn", "lm.txt"),
     ("attention-truncated", "attention --model {b}/truncated --text hi --out {ws}/attn", "model.safetensors"),
@@ -170,7 +173,7 @@ CASES = [
     ("trace-head-out-of-range", "trace --model {lm} --text hi --head 99", "--head"),
     # import-hf / export-hf
     ("import-missing-src", "import-hf {ws}/nope {ws}/out", "nope"),
-    ("import-tformer-ckpt", "import-hf {lm}/checkpoints/step-0000002 {ws}/out", "config.json"),
+    ("import-tformer-ckpt", "import-hf {lm}/checkpoints/step-0000002 {ws}/out", "tformer checkpoint"),
     ("import-corrupt-config", "import-hf {b}/hf_corrupt_config {ws}/out", "config.json"),
     ("import-truncated-weights", "import-hf {b}/hf_truncated {ws}/out", "model.safetensors"),
     ("import-pickle-bin", "import-hf {b}/hf_pickle {ws}/out", "pytorch_model.bin"),
@@ -261,11 +264,20 @@ def numeric_flags() -> list[tuple[str, str, str]]:
 FLAGS = numeric_flags()
 
 
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
 @pytest.mark.parametrize("command,flag,kind", FLAGS, ids=[f"{c} {f}" for c, f, _ in FLAGS])
-def test_every_numeric_flag_refuses_bad_numbers(command, flag, kind, capsys):
+def test_every_numeric_flag_refuses_bad_numbers(parser, command, flag, kind, capsys):
+    # Parsing only (the error comes from argparse, before any work): a flag that accepted the value
+    # would otherwise start that command for real.
     for bad in ("abc", "nan", "inf", "1e999", "") if kind == "float" else ("abc", "1.5", "nan", ""):
-        rc, _, err = run_main([command, f"{flag}={bad}"], capsys)
-        check_one_line_error(rc, err, flag)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([command, f"{flag}={bad}"])
+        check_one_line_error(exit_.value.code, capsys.readouterr().err, flag)
 
 
 def test_every_command_has_numeric_flags_covered():

@@ -14,8 +14,6 @@ from __future__ import annotations
 import bz2
 import csv
 import importlib.util
-import io
-import json
 import os
 import random
 import re
@@ -52,52 +50,21 @@ def rotten_tomatoes() -> LabelledTexts:
     return LabelledTexts([r["text"].strip() for r in rows], [r["category"] for r in rows], "rotten-tomatoes")
 
 
-def _read_rows(path: Path) -> tuple[list[dict], str]:
-    """Rows of a .csv / .tsv (header line names the columns) or .jsonl file, as dicts."""
-    if not path.exists():
-        raise DataError(f"{path} does not exist")
-    suffix = path.suffix.lower()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if suffix == ".jsonl":
-        rows = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{i} must be a JSON object with named fields")
-            rows.append(row)
-        return rows, "field"
-    if suffix not in (".csv", ".tsv"):
-        raise DataError(f"{path}: unsupported file type {suffix or '(none)'} (use .csv, .tsv or .jsonl)")
-    reader = csv.DictReader(io.StringIO(text), delimiter="\t" if suffix == ".tsv" else ",")
-    return list(reader), "column"
-
-
 def read_labelled(path: str | os.PathLike, text_column: str = "text", label_column: str = "label") -> LabelledTexts:
     """Texts and labels from a user's CSV/TSV (header row) or JSONL file."""
-    path = Path(path)
-    rows, what = _read_rows(path)
-    if not rows:
-        raise DataError(f"{path} has no data rows")
-    missing = [c for c in (text_column, label_column) if c not in rows[0]]
-    if missing:
-        raise DataError(f"{path} has no {what} named {', '.join(map(repr, missing))} (found: "
-                        f"{', '.join(map(repr, rows[0]))}; choose with --text-column / --label-column)")
-    texts, labels = [], []
-    for i, row in enumerate(rows, 2 if what == "column" else 1):
-        text, label = row.get(text_column), row.get(label_column)
-        if text is None or label is None or not str(text).strip() or not str(label).strip():
+    from .data import read_table
+
+    try:
+        rows = read_table(path, [text_column, label_column])
+    except DataError as e:
+        if "no column" in str(e):
+            raise DataError(f"{e}; choose them with --text-column / --label-column") from None
+        raise
+    for i, row in enumerate(rows, 1):
+        if not row[text_column].strip() or not row[label_column].strip():
             raise DataError(f"{path}: row {i} has an empty {text_column!r} or {label_column!r}")
-        texts.append(str(text).strip())
-        labels.append(str(label).strip())
-    return LabelledTexts(texts, labels, path.name)
+    return LabelledTexts([r[text_column].strip() for r in rows], [r[label_column].strip() for r in rows],
+                         Path(path).name)
 
 
 # --- translation -------------------------------------------------------------------------------
@@ -116,10 +83,9 @@ def read_pairs(path: str | os.PathLike) -> Pairs:
     with fields "source" and "target"."""
     path = Path(path)
     if path.suffix.lower() == ".jsonl":
-        rows, _ = _read_rows(path)
-        for i, row in enumerate(rows, 1):
-            if not isinstance(row.get("source"), str) or not isinstance(row.get("target"), str):
-                raise DataError(f"{path}:{i} needs string fields \"source\" and \"target\"")
+        from .data import read_table
+
+        rows = read_table(path, ["source", "target"])
         return Pairs([r["source"].strip() for r in rows], [r["target"].strip() for r in rows], path.name)
     if path.suffix.lower() != ".tsv":
         raise DataError(f"{path}: translation pairs must be a .tsv (source<TAB>target) or .jsonl file")

@@ -154,21 +154,35 @@ class Trainer:
         return out
 
     def _check_out(self, resume: str | None) -> None:
-        """Refuse to overwrite another run; fail early (before training) when --out is unwritable."""
+        """Refuse to overwrite another run; fail early (before training) when --out is unwritable.
+        Rank 0 decides and tells the others, so they never race with its mkdir."""
+        error = None
+        if self.dist.main:
+            try:
+                self._check_out_here(resume)
+            except CheckpointError as e:
+                error = str(e)
+        if self.dist.world > 1:
+            box = [error]
+            torch.distributed.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise CheckpointError(error)
+
+    def _check_out_here(self, resume: str | None) -> None:
         run = self.run_dir
         if run.exists() and not run.is_dir():
             raise CheckpointError(f"--out {run} is a file, not a directory")
         if not resume and run.is_dir() and ((run / "checkpoints").exists() or (run / "metrics.jsonl").exists()):
             raise CheckpointError(f"--out {run} already holds a run (continue it with --resume {run}, "
                                   "or choose another --out)")
-        if self.dist.main:
-            try:
-                run.mkdir(parents=True, exist_ok=True)
-                probe = run / f".write-test-{os.getpid()}"
-                probe.write_text("")
-                probe.unlink()
-            except OSError as e:
-                raise CheckpointError(f"cannot write to --out {run} ({e.strerror or e})") from None
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            probe = run / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(f"cannot write to --out {run} ({e.strerror or e})") from None
 
     # --- outputs -------------------------------------------------------------------------
     def _metrics(self, record: dict[str, Any] | None = None, keep_until: int | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -42,7 +43,7 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("table", sinusoidal_table(n_positions, dim, layout), persistent=False)
 
     def forward(self, positions: Tensor) -> Tensor:
-        return self.table[positions]                                             # (..., T, D)
+        return F.embedding(positions, self.table)                                # (..., T, D)
 
 
 class LearnedPositions(nn.Module):
@@ -55,7 +56,8 @@ class LearnedPositions(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, positions: Tensor) -> Tensor:
-        return self.weight[positions + self.offset]                              # (..., T, D)
+        # F.embedding, not weight[...]: the same rows, but a much faster backward (and forward) on CPU
+        return F.embedding(positions + self.offset, self.weight)                 # (..., T, D)
 
 
 class RotaryEmbedding(nn.Module):

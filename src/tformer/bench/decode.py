@@ -14,6 +14,8 @@ from .common import from_hf_model, hf_gpt2, interleaved_times, median_time, weig
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
 SMALL = dict(n_layers=4, d_model=256, n_heads=4, vocab=2048, n_positions=512)
+# So small that the arithmetic is nothing: time per token is the framework's own per-step overhead.
+OVERHEAD = dict(n_layers=4, d_model=32, n_heads=4, vocab=64, n_positions=512)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -81,9 +83,11 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
         if dname == "fp32":
             rows += _prefill_and_context(ours, hf, device, quick)
         del ours, hf
+    n = 50 if quick else 200
     ours, hf = _peers(SMALL, torch.float32, device)
-    rows.append(_decode_case(ours, hf, 1, 32, 50 if quick else 200, device, repeats,
-                             f"small 4L/256/V2048 b1 fp32 p32+{50 if quick else 200}", bw, 2.0))
+    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"small 4L/256/V2048 b1 fp32 p32+{n}", bw, 2.0))
+    ours, hf = _peers(OVERHEAD, torch.float32, device)
+    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"overhead only: 4L/32/V64 b1 p32+{n}"))
     return rows
 
 

@@ -6,6 +6,7 @@ stays fast. Error policy (one place, here):
   - TformerError (bad input the user can fix)  -> `error: <what> (<how to fix>)`, exit 2
   - bad flags (argparse)                       -> `error: ...`, exit 2
   - Ctrl-C                                     -> exit 130
+  - OSError naming a file (no permission, no space, a file where a folder should be) -> `error: ...`, exit 2
   - anything else (a bug)                      -> short message + path of the saved traceback, exit 1
 `--debug` shows tracebacks instead.
 """
@@ -77,15 +78,30 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `tformer generate ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        if args.debug or not e.filename:
+            return _internal_error(e, args.debug)
+        # A file the system refused (no space, no permission, a file where a folder should be):
+        # the user's environment, not a bug.
+        where = e.filename + (f" -> {e.filename2}" if e.filename2 else "")
+        sys.stderr.write(f"error: {where}: {e.strerror or type(e).__name__} (check the path, its permissions "
+                         "and free space)\n")
+        return 2
     except Exception as e:
-        if args.debug:
-            raise
-        fd, path = tempfile.mkstemp(prefix="tformer-crash-", suffix=".txt")
-        with os.fdopen(fd, "w") as f:
-            traceback.print_exc(file=f)
-        sys.stderr.write(f"error: internal error {type(e).__name__}: {_one_line(e)} "
-                         f"(full traceback in {path}; rerun with --debug, and please report it)\n")
-        return 1
+        return _internal_error(e, args.debug)
+
+
+def _internal_error(e: BaseException, debug: bool) -> int:
+    """A bug: one line naming the file that holds the full traceback; with --debug, the traceback.
+    Called inside an `except` block, so bare `raise` and print_exc see the exception being handled."""
+    if debug:
+        raise
+    fd, path = tempfile.mkstemp(prefix="tformer-crash-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        traceback.print_exc(file=f)
+    sys.stderr.write(f"error: internal error {type(e).__name__}: {_one_line(e)} "
+                     f"(full traceback in {path}; rerun with --debug, and please report it)\n")
+    return 1
 
 
 def _one_line(e: BaseException) -> str:

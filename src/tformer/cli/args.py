@@ -48,5 +48,6 @@ finite_float = number(float)
 probability = number(float, 0.0, 1.0)                            # [0, 1]
 unit_open_closed = number(float, 0.0, 1.0, low_open=True)         # (0, 1]: top-p
 fraction = number(float, 0.0, 1.0, low_open=True, high_open=True)  # (0, 1): a share of the data
-dropout = number(float, 0.0, 1.0, high_open=True)                 # [0, 1)
+below_one = number(float, 0.0, 1.0, high_open=True)               # [0, 1): dropout, label smoothing
+dropout = below_one
 seed = number(int, 0, 2**63 - 1, what="a non-negative integer")  # torch.manual_seed's range

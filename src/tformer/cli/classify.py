@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import positive_int
 
 
 def register(sub) -> None:
@@ -21,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to label (default: one per line on stdin)")
     p.add_argument("--model", required=True, metavar="DIR", help="a classifier checkpoint or run directory")
     p.add_argument("--all", action="store_true", help="print every label's probability, not just the best")
-    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
     p.set_defaults(func=run)
 
 

@@ -16,6 +16,7 @@ import json
 import math
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import positive_int
 
 
 def register(sub) -> None:
@@ -25,8 +26,8 @@ def register(sub) -> None:
     p.add_argument("--data", default=None, help="data to score (default: the run's held-out split)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys val_loss, perplexity, accuracy, "
                    "macro_f1, bleu, chrf, exact_match: those that apply)")
-    p.add_argument("--num-beams", type=int, default=1, help="translation: beam width, 1 = greedy (default 1)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples")
+    p.add_argument("--num-beams", type=positive_int, default=1, help="translation: beam width, 1 = greedy (default 1)")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score only the first N examples")
     p.add_argument("--text-column", default=None, help="classification --data: the text column (default: the run's)")
     p.add_argument("--label-column", default=None, help="classification --data: the label column (default: the run's)")
     p.set_defaults(func=run)

@@ -72,8 +72,8 @@ def run(args) -> int:
     if max_new is None:  # the default never overflows the context; an explicit value is checked instead
         used = 1 if isinstance(model, EncoderDecoder) else max(len(tokenizer.encode(prompt)), 1)
         max_new = max(0, min(DEFAULTS["max_new_tokens"], model.cfg.max_seq_len - used))
-    options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+    options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
                    eos_token_id=_eos(model, tokenizer))
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None

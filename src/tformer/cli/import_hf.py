@@ -26,6 +26,9 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
     """Never overwrite what the user has, unless asked; never replace the source with its copy."""
     if dst.exists() and not dst.is_dir():
         raise TformerError(f"{dst} exists and is not a directory (choose another DST)")
+    above = next((p for p in dst.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise TformerError(f"cannot create {dst}: {above} is a file, not a directory (choose another DST)")
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise TformerError(f"DST {dst} is the same directory as SRC (choose another DST)")
     if dst.is_dir() and any(dst.iterdir()) and not force:

@@ -188,4 +188,8 @@ def run(args) -> int:
           + (f", best val_loss {best:.4f}" if best is not None else ""))
     print(f"checkpoint: {result['checkpoint']}")
     print(f"metrics:    {result['run_dir']}/metrics.jsonl   plot: {result['run_dir']}/loss.png")
+    report = getattr(task, "report", None)  # a task's final held-out summary (classify: confusion matrix)
+    if report is not None and result["reason"] != "interrupted":
+        from tformer.checkpoint import load
+        print(report(load(result["checkpoint"]), result["run_dir"]))
     return 130 if result["reason"] == "interrupted" else 0

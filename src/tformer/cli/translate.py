@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import positive_int
 
 
 def register(sub) -> None:
@@ -18,8 +19,8 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to translate (default: one per line on stdin)")
     p.add_argument("--model", required=True, metavar="DIR", help="an encoder-decoder checkpoint or run directory")
-    p.add_argument("--num-beams", type=int, default=4, help="beam search width; 1 = greedy (default 4)")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default 32)")
+    p.add_argument("--num-beams", type=positive_int, default=4, help="beam search width; 1 = greedy (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences per batch (default 32)")
     p.set_defaults(func=run)
 
 

@@ -94,7 +94,7 @@ def beam_search(p: Prepared, s: Settings, batch_size: int, generator: torch.Gene
         best = torch.topk(torch.cat([finished_scores, fin], dim=1), K).indices
         finished = _gather(torch.cat([finished, cand], dim=1), best)
         finished_scores = _gather(torch.cat([finished_scores, fin], dim=1), best)
-        finished_len = _gather(torch.cat([finished_len, torch.full_like(fin, cur + 1)], dim=1), best)
+        finished_len = _gather(torch.cat([finished_len, torch.full((B, keep), cur + 1, device=device)], dim=1), best)
         is_finished = _gather(torch.cat([is_finished, just_ended], dim=1), best)
 
         p.stepper.reorder(beam_rows)

@@ -169,9 +169,11 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings
     seqs[:, :t] = prompt
     seen = None
     if s.repetition_penalty != 1.0:
+        # Only real prompt tokens count (HF also penalises the ids under left padding).
         seen = torch.zeros(n, cfg.vocab_size, dtype=torch.bool, device=device)
-        real = prompt if attention_mask is None else prompt.masked_fill(attention_mask == 0, -1)
-        seen[torch.arange(n, device=device)[:, None].expand_as(real)[real >= 0], real[real >= 0]] = True
+        real = attention_mask.bool() if attention_mask is not None else torch.ones_like(prompt, dtype=torch.bool)
+        rows = torch.arange(n, device=device)[:, None].expand_as(prompt)
+        seen[rows[real], prompt[real]] = True
     stepper = Stepper(model, n, max_len, s.use_cache, attention_mask, memory, memory_mask)
     return Prepared(seqs, t, stepper, seen)
 
@@ -228,7 +230,9 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
     num_beams, length_penalty, early_stopping, num_return_sequences, eos_token_id, pad_token_id,
     stop_strings (+ tokenizer), use_cache; also stop_sequences (lists of token ids) and
     generator / seed for reproducible sampling (no global RNG is touched). `streamer(tokens)` is
-    called with each step's new tokens (N,) (not with beam search, where tokens are not final)."""
+    called with each step's new tokens (N,) (not with beam search, where tokens are not final).
+    N = B * num_return_sequences; rows of one input are adjacent, as in HF. One difference from
+    HF: repetition_penalty ignores the ids under left padding (HF penalises them too)."""
     s = make_settings(model, **kwargs)
     generator = _generator(generator, seed, input_ids.device) if s.do_sample else None
     with torch.inference_mode():

@@ -31,8 +31,9 @@ def sequence_hits(generated: Tensor, stops: list[Tensor]) -> Tensor:
 def string_hits(tokenizer, rows: list[list[int]], stops: list[str]) -> list[bool]:
     """Whether the decoded text of each row of generated tokens contains a stop string. Only the
     last tokens are decoded: a row still running never contained a stop string before this step,
-    so a match must end in the newest token, and every token decodes to at least one character."""
-    window = max(len(s) for s in stops) + 1
+    so a match must end in the newest token; every token holds at least one byte, so the stop
+    string's UTF-8 bytes, plus 3 for a character cut at the window's start, bound the window."""
+    window = max(len(s.encode("utf-8")) for s in stops) + 4
     texts = [tokenizer.decode(row[-window:]) for row in rows]
     return [any(s in text for s in stops) for text in texts]
 
@@ -87,8 +88,8 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text, once generation has ended."""
         if not self.stopped:
-            tail = self.tokenizer.decode(self.ids[self.prefix:])[len(self.tokenizer.decode(self.ids[self.prefix:self.read])):]
-            self.text += tail
+            before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+            self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
             self.prefix = self.read = len(self.ids)
         return self._release(final=True)
 

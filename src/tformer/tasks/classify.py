@@ -98,11 +98,13 @@ class ClassifyTask:
 
     @classmethod
     def add_arguments(cls, parser) -> None:
+        from ..cli.args import positive_int
+
         g = parser.add_argument_group("classification (--task classify)")
         g.add_argument("--text-column", default="text", help="column (CSV/TSV) or field (JSONL) with the text "
                        "(default: text)")
         g.add_argument("--label-column", default="label", help="column or field with the label (default: label)")
-        g.add_argument("--max-len", type=int, default=None,
+        g.add_argument("--max-len", type=positive_int, default=None,
                        help=f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})")
 
     def __init__(self, args, tokenizer=None, init: str | None = None):

@@ -139,15 +139,17 @@ class TranslateTask:
 
     @classmethod
     def add_arguments(cls, parser) -> None:
+        from ..cli.args import below_one, positive_int
+
         g = parser.add_argument_group("translation (--task translate)")
-        g.add_argument("--label-smoothing", type=float, default=0.1,
+        g.add_argument("--label-smoothing", type=below_one, default=0.1,
                        help="spread this much target probability over the vocabulary (default: 0.1, as in 2017)")
-        g.add_argument("--heldout-numbers", type=int, default=1000,
+        g.add_argument("--heldout-numbers", type=positive_int, default=1000,
                        help="numbers-fr-en: how many random numbers are held out, never trained on (default: 1000)")
-        g.add_argument("--eval-sentences", type=int, default=200,
+        g.add_argument("--eval-sentences", type=positive_int, default=200,
                        help="held-out sentences translated (greedy) at each validation for BLEU/chrF/exact match; "
                             "val_loss always uses all (default: 200)")
-        g.add_argument("--max-len", type=int, default=None,
+        g.add_argument("--max-len", type=positive_int, default=None,
                        help="tokens per source / target sentence; longer ones are cut (default: the model's length)")
 
     def __init__(self, args, tokenizer=None, init: str | None = None):
@@ -166,7 +168,7 @@ class TranslateTask:
         train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
                                                        self.heldout_numbers)
         if tokenizer is None:
-            texts = train[0] + train[1] if train is not None else self._number_texts(20000)
+            texts = train[0] + train[1] if train is not None else self._number_texts(4000)
             tokenizer = _train_tokenizer(texts, arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000)))
         self.tokenizer = tokenizer
         if None in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id):

@@ -1,0 +1,82 @@
+"""The benchmark harness (not speed: speed is never a unit test): timing bookkeeping, the
+byte and FLOP counts behind the ceilings, the table, and the command's error handling."""
+
+import json
+
+import pytest
+import torch
+
+import tformer
+from tformer.bench import format_table, write_json
+from tformer.bench.common import interleaved_times, median_time, param_count
+from tformer.bench.decode import bytes_per_token
+from tformer.bench.training import flops_per_token
+from tformer.cli import main
+
+
+def test_median_time_runs_warmup_then_repeats():
+    calls = []
+    assert median_time(lambda: calls.append(1), "cpu", repeats=4, warmup=2) >= 0
+    assert len(calls) == 6
+
+
+def test_interleaved_times_alternates_peers():
+    order = []
+    times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, "cpu",
+                              repeats=3, warmup=1)
+    assert set(times) == {"a", "b"}
+    assert order == ["a", "b"] + ["a", "b"] * 3
+
+
+def test_bytes_per_token_counts_each_weight_once_without_position_table():
+    cfg = tformer.preset("tiny", vocab_size=50, max_seq_len=32)                  # tied output layer
+    model = tformer.Decoder(cfg)
+    unique = {p.data_ptr(): p for p in model.parameters()}
+    expected = sum(p.numel() for p in unique.values()) - 32 * cfg.d_model
+    assert param_count(model) == sum(p.numel() for p in unique.values())
+    assert bytes_per_token(model) == 4 * expected
+    assert bytes_per_token(model.to(torch.bfloat16)) == 2 * expected
+
+
+def test_flops_per_token_matches_hand_count():
+    """6 FLOPs per weight per token (2 forward, 4 backward) + QKᵀ and αV: 2·T·D each forward,
+    ×3 with backward, per layer."""
+    n, layers, d, t = 1000, 2, 16, 8
+    assert flops_per_token(n, layers, d, t) == 6 * n + layers * 3 * (2 * t * d + 2 * t * d)
+
+
+def _result():
+    return {"machine": {"cpu": "Test CPU", "cores": 2, "threads": 2, "torch": "x"}, "quick": True,
+            "ceilings": {"gemm_fp32_GFLOPs": 100.0, "gemm_bf16_GFLOPs": 200.0, "read_GBps": 20.0},
+            "seconds": 1.0,
+            "rows": [{"bench": "decode", "case": "c1", "unit": "tok/s", "tformer": 30.0, "peer": 15.0,
+                      "peer_name": "HF", "ratio": 2.0, "target": 1.0, "ceiling": 40.0, "utilisation": 0.75,
+                      "peer_utilisation": 0.375, "utilisation_name": "of BW", "same_tokens": True}]}
+
+
+def test_format_table_shows_ratio_ceiling_and_checks(tmp_path):
+    table = format_table(_result())
+    assert "Test CPU" in table and "read 20 GB/s" in table
+    row = [line for line in table.splitlines() if line.startswith("| decode")][0]
+    assert "**2.00x**" in row and "75% of BW" in row and "same tokens" in row
+    path = tmp_path / "r.json"
+    write_json(_result(), str(path))
+    assert json.loads(path.read_text())["rows"][0]["ratio"] == 2.0
+
+
+def test_cli_names_match_the_benchmarks():
+    from tformer import bench
+    from tformer.cli import bench as cli_bench
+    assert cli_bench.NAMES == bench.BENCHES
+
+
+@pytest.mark.parametrize("argv", [["bench", "--json", "/no/such/folder/r.json"], ["bench", "--threads", "0"],
+                                  ["bench", "--only", "nonsense"]])
+def test_cli_rejects_bad_arguments_with_one_line(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:                                                      # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1

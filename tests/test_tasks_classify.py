@@ -1,0 +1,103 @@
+"""Classification end to end in miniature: `tformer train --task classify` on an easy synthetic table
+learns (held-out accuracy far above chance), then `classify` and `eval` use the run; bad input gives
+one-line errors and changes nothing."""
+
+import json
+import random
+
+import pytest
+
+from tformer.cli import main
+from tformer.data import split_rows
+
+FILLER = "the a film movie story plot actor scene was is it this that and very quite rather".split()
+
+
+def easy_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Sentences of filler words with one cue word: great/superb -> pos, awful/dreadful -> neg."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["pos", "neg"])
+        words = rng.sample(FILLER, 6)
+        words.insert(rng.randrange(7), rng.choice(["great", "superb"] if label == "pos" else ["awful", "dreadful"]))
+        rows.append((" ".join(words), label))
+    return rows
+
+
+def write_csv(path, rows, header=("text", "label")):
+    path.write_text(",".join(header) + "\n" + "".join(f"{t},{l}\n" for t, l in rows), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("classify")
+    data = root / "easy.csv"
+    write_csv(data, easy_rows(400))
+    run = root / "run"
+    rc = main(["train", "--task", "classify", "--data", str(data), "--preset", "tiny", "--vocab-size", "300",
+               "--max-steps", "120", "--batch-size", "32", "--lr", "3e-3", "--warmup", "10", "--eval-every", "120",
+               "--out", str(run), "--no-progress", "--seed", "0"])
+    assert rc == 0
+    return root, run
+
+
+def test_pipeline_learns_and_reports(trained, capsys):
+    root, run = trained
+    assert (run / "confusion.png").is_file()
+    assert main(["eval", "--model", str(run), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"val_loss", "accuracy", "macro_f1"}
+    assert result["accuracy"] >= 0.9 and result["macro_f1"] >= 0.9  # chance is 0.5
+
+
+def test_classify_cli_prints_one_line_per_input(trained, capsys, monkeypatch):
+    _, run = trained
+    long_text = " ".join(["film"] * 400) + " great"
+    assert main(["classify", "--model", str(run), "the film was great", "the film was awful", long_text]) == 0
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].split("\t")[0] == "pos" and lines[1].split("\t")[0] == "neg"
+    assert all(0.5 <= float(line.split("\t")[1]) <= 1.0 for line in lines)
+    assert "warning:" in out.err and "truncated" in out.err
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("a superb film\nan awful film\n"))
+    assert main(["classify", "--model", str(run)]) == 0
+    assert [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()] == ["pos", "neg"]
+
+
+def test_classify_cli_rejects_empty_lines(trained, capsys, monkeypatch):
+    _, run = trained
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("a superb film\n\nan awful film\n"))
+    assert main(["classify", "--model", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "line 2 is empty" in err and "\n" not in err
+
+
+def test_eval_rejects_labels_the_model_never_saw(trained, tmp_path, capsys):
+    _, run = trained
+    data = tmp_path / "other.csv"
+    write_csv(data, [("a great film", "pos"), ("so so", "meh")])
+    assert main(["eval", "--model", str(run), "--data", str(data)]) == 2
+    assert "'meh'" in capsys.readouterr().err
+
+
+def test_train_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    data = tmp_path / "cols.csv"
+    write_csv(data, easy_rows(20), header=("review", "sentiment"))
+    before = data.read_bytes()
+    run = tmp_path / "run"
+    assert main(["train", "--task", "classify", "--data", str(data), "--max-steps", "1", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--text-column" in err and err.count("\n") == 1
+    assert data.read_bytes() == before and not run.exists()
+
+    rows = easy_rows(50)
+    _, val = split_rows(list(range(50)), 0.1, 0)
+    rows[val[0]] = ("so so", "meh")  # the only 'meh' lands in the held-out split
+    write_csv(data, rows)
+    assert main(["train", "--task", "classify", "--data", str(data), "--max-steps", "1", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "'meh'" in err and "never in training" in err and not run.exists()
