@@ -80,3 +80,27 @@ def test_cli_rejects_bad_arguments_with_one_line(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_perplexity_of_uniform_model_is_vocab_size():
+    """Zero logits = the uniform distribution: perplexity is exactly the vocabulary size."""
+    from tformer.bench.quality import perplexity
+    model = tformer.Decoder(tformer.preset("tiny", vocab_size=37, max_seq_len=16, tie_embeddings=False)).eval()
+    torch.nn.init.zeros_(model.lm_head.weight)
+    ids = torch.randint(0, 37, (100,), generator=torch.Generator().manual_seed(0))
+    assert perplexity(model, ids, 16, torch.float32, "cpu") == pytest.approx(37, rel=1e-5)
+
+
+def test_sub_batches_cover_batch_in_order_within_padding_slack():
+    from tformer.bench.encoder import sub_batches
+    lengths = [256, 250, 120, 60, 58, 57, 20, 19, 5]                             # sorted longest first
+    runs = sub_batches(lengths, 1.2)
+    assert [i for run in runs for i in run] == list(range(len(lengths)))
+    for run in runs:
+        assert lengths[run[0]] * len(run) <= 1.2 * sum(lengths[i] for i in run)
+    assert sub_batches(lengths, float("inf")) == [list(range(len(lengths)))]
+
+
+def test_cli_quality_model_must_exist(capsys):
+    assert main(["bench", "--quality-model", "/no/such/run"]) == 2
+    assert capsys.readouterr().err.startswith("error: /no/such/run does not exist")

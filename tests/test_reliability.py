@@ -52,6 +52,7 @@ def ws(tmp_path_factory) -> Path:
     (d / "blank.csv").write_bytes(b"\n\n")
     (d / "binary.bin").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     (d / "latin1.txt").write_bytes(LINE.encode() * 3 + "café crème\n".encode("latin-1"))
+    (d / "latin1.tsv").write_bytes("un\tone\ndeux\ttwo\ncafé\tcoffee\n".encode("latin-1"))
     (d / "empty_dir").mkdir()
     return root
 
@@ -125,6 +126,7 @@ CASES = [
     ("train-data-is-dir", "train --data {d}/empty_dir --max-steps 1 --out {ws}/new", "empty_dir"),
     ("train-wrong-columns", "train --task classify --data {d}/wrong_cols.csv --max-steps 1 --out {ws}/new", "label"),
     ("train-empty-table", "train --task classify --data {d}/blank.csv --max-steps 1 --out {ws}/new", "blank.csv"),
+    ("train-pairs-not-utf8", "train --task translate --data {d}/latin1.tsv --max-steps 1 --out {ws}/new", "byte"),
     ("train-pairs-no-tab", "train --task translate --data {d}/no_tab.tsv --max-steps 1 --out {ws}/new", "tab"),
     ("train-out-exists", "train --data {d}/lm.txt --max-steps 1 --out {lm}", "--resume"),
     ("train-out-unwritable", "train --data {d}/lm.txt --preset tiny --max-steps 1 --out {d}/lm.txt/run", "lm.txt"),
@@ -133,6 +135,8 @@ CASES = [
     ("train-init-wrong-kind", "train --data {d}/lm.txt --init {clf} --max-steps 1 --out {ws}/new", "Decoder"),
     ("train-context-too-long", "train --data {d}/lm.txt --preset tiny --init {lm} --context 4096 --max-steps 1 "
      "--out {ws}/new", "--context"),
+    ("train-batch-too-big", "train --data {d}/lm.txt --preset tiny --batch-size 100000000 --max-steps 1 "
+     "--out {ws}/new", "--batch-size"),
     ("train-unknown-preset", "train --data {d}/lm.txt --preset huge --max-steps 1 --out {ws}/new", "huge"),
     ("train-batch-accum", "train --data {d}/lm.txt --batch-size 6 --grad-accum 4 --max-steps 1 --out {ws}/new",
      "--grad-accum"),
@@ -148,12 +152,15 @@ CASES = [
     ("generate-wrong-kind", "generate --model {clf} --prompt hi", "EncoderClassifier"),
     ("generate-prompt-too-long", ["generate", "--model", "{lm}", "--prompt", LONG], "context"),
     ("generate-too-many-tokens", "generate --model {lm} --prompt hi --max-new-tokens 1000000", "max_seq_len"),
+    ("generate-beams-too-big", "generate --model {lm} --prompt hi --num-beams 1000000000", "--num-beams"),
     ("generate-negative-tokens", "generate --model {lm} --prompt hi --max-new-tokens -5", "--max-new-tokens"),
+    ("generate-prompt-not-utf8", ["generate", "--model", "{lm}", "--prompt", "caf\udce9 au lait"], "byte 3"),
     ("generate-top-p", "generate --model {lm} --prompt hi --top-p 1.5", "--top-p"),
     ("generate-temperature", "generate --model {lm} --prompt hi --temperature -1", "--temperature"),
     ("generate-num-beams", "generate --model {lm} --prompt hi --num-beams 0", "--num-beams"),
     # classify / translate / eval
     ("classify-missing-model", "classify --model {ws}/nope good", "nope"),
+    ("classify-text-not-utf8", ["classify", "--model", "{clf}", "bon \udcff"], "byte 4"),
     ("classify-wrong-kind", "classify --model {lm} good", "Decoder"),
     ("classify-truncated", "classify --model {b}/truncated good", "model.safetensors"),
     ("translate-wrong-kind", "translate --model {clf} un", "EncoderClassifier"),
@@ -170,6 +177,7 @@ CASES = [
     ("attention-out-under-file", "attention --model {lm} --text hi --out {d}/lm.txt/attn", "lm.txt"),
     ("attention-truncated", "attention --model {b}/truncated --text hi --out {ws}/attn", "model.safetensors"),
     ("attention-text-too-long", ["attention", "--model", "{lm}", "--text", LONG, "--out", "{ws}/attn"], "context"),
+    ("trace-text-not-utf8", ["trace", "--model", "{lm}", "--text", "caf\udce9"], "byte 3"),
     ("trace-head-out-of-range", "trace --model {lm} --text hi --head 99", "--head"),
     # import-hf / export-hf
     ("import-missing-src", "import-hf {ws}/nope {ws}/out", "nope"),
@@ -292,7 +300,7 @@ def test_every_command_has_numeric_flags_covered():
 SUBPROCESS_ROWS = ["generate-truncated-weights", "train-binary-data", "import-pickle-bin"]
 
 
-def test_real_processes(ws, request):
+def test_real_processes(ws, request, tmp_path):
     rows = {c[0]: c for c in CASES}
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     procs = []
@@ -303,6 +311,12 @@ def test_real_processes(ws, request):
         before = before or tree(ws)
         procs.append((name, key, subprocess.Popen([sys.executable, "-m", "tformer", *argv], env=env, text=True,
                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    # Bytes that are not UTF-8 on stdin (Python hands them over as lone surrogates).
+    (tmp_path / "prompt.txt").write_bytes(b"To be\xff or not")
+    with open(tmp_path / "prompt.txt", "rb") as prompt:
+        procs.append(("stdin-not-utf8", "byte 5", subprocess.Popen(
+            [sys.executable, "-m", "tformer", "generate", "--model", str(request.getfixturevalue("lm")), "--prompt", "-"],
+            env=env, stdin=prompt, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
     for name, key, proc in procs:
         _, err = proc.communicate(timeout=120)
         check_one_line_error(proc.returncode, err, key)

@@ -35,7 +35,8 @@ def test_pipeline_learns_the_training_pairs(trained, capsys):
 def test_translate_cli(trained, capsys, monkeypatch):
     _, run = trained
     assert main(["translate", "--model", str(run), "--num-beams", "2", "dix-sept", "vingt et un"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["seventeen", "twenty-one"] or True  # 17 or 21 may be held out
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.strip() for line in lines)
     import io
     monkeypatch.setattr("sys.stdin", io.StringIO("deux\ntrois\nquatre\n"))
     assert main(["translate", "--model", str(run), "--num-beams", "1"]) == 0

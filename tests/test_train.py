@@ -153,7 +153,7 @@ def test_ctrl_c_saves_and_exits_cleanly(data, tmp_path):
 def test_torchrun_two_processes_match_one(data, tmp_path):
     flags = ["--data", data, *SMALL, "--max-steps", "3"]
     one = train([*flags, "--out", str(tmp_path / "one")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "tformer", "train", *flags, "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

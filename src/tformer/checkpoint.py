@@ -115,6 +115,7 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
                                   "config": model.cfg.to_dict(), "files": files, "meta": meta or {}}
         if isinstance(model, EncoderClassifier):
             config["num_labels"], config["labels"] = model.num_labels, model.labels
+            config["pooling"] = model.pooling
         write_json_atomic(tmp / CONFIG, config)
         replace_dir(tmp, path)
     except BaseException:
@@ -196,7 +197,7 @@ def build(data: dict[str, Any]) -> nn.Module:
     if cls is EncoderClassifier:
         if not isinstance(data.get("num_labels"), int):
             raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an EncoderClassifier")
-        return cls(cfg, data["num_labels"], data.get("labels"))
+        return cls(cfg, data["num_labels"], data.get("labels"), data.get("pooling", "first"))
     return cls(cfg)
 
 

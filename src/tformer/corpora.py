@@ -50,12 +50,13 @@ def rotten_tomatoes() -> LabelledTexts:
     return LabelledTexts([r["text"].strip() for r in rows], [r["category"] for r in rows], "rotten-tomatoes")
 
 
-def read_labelled(path: str | os.PathLike, text_column: str = "text", label_column: str = "label") -> LabelledTexts:
-    """Texts and labels from a user's CSV/TSV (header row) or JSONL file."""
+def read_labelled(path: str | os.PathLike, text_column: str = "text", label_column: str = "label",
+                  errors: str = "strict") -> LabelledTexts:
+    """Texts and labels from a user's CSV/TSV (header row) or JSONL file (`errors`: see data.decode_text)."""
     from .data import read_table
 
     try:
-        rows = read_table(path, [text_column, label_column])
+        rows = read_table(path, [text_column, label_column], errors)
     except DataError as e:
         if "no column" in str(e):
             raise DataError(f"{e}; choose them with --text-column / --label-column") from None
@@ -78,21 +79,21 @@ class Pairs:
     groups: list[str] = field(default_factory=list)
 
 
-def read_pairs(path: str | os.PathLike) -> Pairs:
+def read_pairs(path: str | os.PathLike, errors: str = "strict") -> Pairs:
     """Source/target pairs from a TSV (two tab-separated fields per line, no header) or a JSONL file
-    with fields "source" and "target"."""
+    with fields "source" and "target" (`errors`: see data.decode_text)."""
+    from .data import read_table, read_text
+
     path = Path(path)
     if path.suffix.lower() == ".jsonl":
-        from .data import read_table
-
-        rows = read_table(path, ["source", "target"])
+        rows = read_table(path, ["source", "target"], errors)
         return Pairs([r["source"].strip() for r in rows], [r["target"].strip() for r in rows], path.name)
     if path.suffix.lower() != ".tsv":
         raise DataError(f"{path}: translation pairs must be a .tsv (source<TAB>target) or .jsonl file")
     if not path.exists():
-        raise DataError(f"{path} does not exist")
+        raise DataError(f"{path} does not exist (pass a .tsv or .jsonl file of pairs, or numbers-fr-en / bible-en-es)")
     sources, targets = [], []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(read_text(path, errors).splitlines(), 1):  # missing, binary, not UTF-8: DataError
         if not line.strip():
             continue
         parts = line.split("\t")

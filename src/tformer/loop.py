@@ -45,6 +45,15 @@ def read_trainer_state(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
         raise CheckpointError(f"{ckpt / STATE} is corrupt ({e})") from None
 
 
+def _record(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl line, or None for a blank or half-written one (a run killed mid-write)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def run_dir_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
 
@@ -190,12 +199,12 @@ class Trainer:
             return
         path = self.run_dir / "metrics.jsonl"
         if keep_until is not None:  # on resume: forget what the interrupted run logged after the checkpoint
-            lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-            kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= keep_until]
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []
+            records = [r for r in map(_record, lines) if r is not None and r.get("step", 0) <= keep_until]
             tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
             os.replace(tmp, path)
-            self.records = [json.loads(ln) for ln in kept]
+            self.records = records
             return
         self.records.append(record)
         with open(path, "a", encoding="utf-8") as f:

@@ -111,17 +111,38 @@ class Encoder(nn.Module):
         return (x, attentions) if return_attention else x
 
 
+def first_token(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """BERT's pooling: the vector of the first token ([CLS]). (B, T, D) -> (B, D)."""
+    return hidden[:, 0]
+
+
+def mean_tokens(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """The mean of the real (non-padding) tokens' vectors: the pooling sentence-transformers models
+    such as all-MiniLM-L6-v2 were trained with, so their first token carries no sentence meaning."""
+    if attention_mask is None:
+        return hidden.mean(1)
+    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)                    # (B, T, 1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+
+POOLINGS = {"first": first_token, "mean": mean_tokens}
+
+
 class EncoderClassifier(nn.Module):
     """Sequence classification as in BERT: the first token's vector -> dropout -> linear -> logits.
-    (Softmax turns the logits into label probabilities; the loss applies it internally.)"""
+    (Softmax turns the logits into label probabilities; the loss applies it internally.)
+    pooling="mean" averages the token vectors instead (for encoders pretrained that way)."""
 
-    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None):
+    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None, pooling: str = "first"):
         super().__init__()
         if num_labels < 2:
             raise ValueError(f"num_labels={num_labels} must be at least 2")
         if labels is not None and len(labels) != num_labels:
             raise ValueError(f"labels has {len(labels)} names but num_labels={num_labels}")
-        self.cfg, self.num_labels, self.labels = cfg, num_labels, labels
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}; choose one of {', '.join(POOLINGS)}")
+        self.cfg, self.num_labels, self.labels, self.pooling = cfg, num_labels, labels, pooling
+        self.pool = POOLINGS[pooling]
         self.encoder = Encoder(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         self.head = nn.Linear(cfg.d_model, num_labels)
@@ -132,7 +153,7 @@ class EncoderClassifier(nn.Module):
                 return_attention: bool = False):
         out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
         hidden, attentions = out if return_attention else (out, None)
-        logits = self.head(self.dropout(hidden[:, 0]))                           # (B, num_labels)
+        logits = self.head(self.dropout(self.pool(hidden, attention_mask)))      # (B, num_labels)
         return (logits, attentions) if return_attention else logits
 
 

@@ -112,10 +112,19 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            check_text(text)
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        try:
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        except TypeError:
+            for text in texts:
+                check_text(text)
+            raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """ids (a list or 1-D tensor) -> text; pad/bos/eos are dropped unless asked for."""
@@ -132,6 +141,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def check_text(text) -> None:
+    """Explain why `text` cannot be tokenized: lone surrogates, which is how Python hands over bytes
+    that are not UTF-8 in command-line arguments and stdin (errors="surrogateescape")."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        if 0xDC80 <= ord(char) <= 0xDCFF:  # an undecodable byte carried through surrogateescape
+            at = len(text[:e.start].encode("utf-8", "surrogateescape"))
+            raise DataError(f"the text is not UTF-8: byte {at} is 0x{ord(char) - 0xDC00:02x} "
+                            "(convert the input to UTF-8)") from None
+        raise DataError(f"the text contains a lone surrogate U+{ord(char):04X} at character {e.start}, "
+                        "which is not a Unicode character (remove it)") from None
 
 
 def _chunks(texts: Iterable[str], size: int = 1 << 16):

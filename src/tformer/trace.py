@@ -60,6 +60,9 @@ def _encode(tokenizer, text: str, cfg, what: str) -> list[int]:
     """Token ids as the model saw them in training. HF tokenizers with a post-processor (BERT's
     [CLS] ... [SEP]) add their special tokens; tformer's own char/BPE tokenizers have none. Padding
     and truncation that a tokenizer.json may switch on are undone / reported, not applied silently."""
+    from .tokenizers import check_text
+
+    check_text(text)  # bytes that are not UTF-8 (from argv or stdin): a clear error, not a TypeError
     hf = getattr(tokenizer, "hf", None)
     if hf is None:
         ids = tokenizer.encode(text)

@@ -28,13 +28,15 @@ def _module(name: str):
 
 
 def run(names: tuple[str, ...] = BENCHES, quick: bool = False, device: str = "cpu",
-        progress: Callable[[str], None] | None = None) -> dict:
-    """Run the named benchmarks; returns {"machine", "ceilings", "rows", "seconds", ...}."""
+        progress: Callable[[str], None] | None = None, quality_model: str | None = None) -> dict:
+    """Run the named benchmarks; returns {"machine", "ceilings", "rows", "notes", "seconds", ...}.
+    `quality_model`: a trained language model (run or checkpoint dir) for the int8 perplexity check
+    that goes with "decode"; default the newest runs/lm-* under the current directory."""
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     say("ceilings")
     ceilings = measure_ceilings(device, quick)
-    result = {"machine": machine_info(device), "quick": quick, "ceilings": ceilings, "rows": [], "errors": {}}
+    result = {"machine": machine_info(device), "quick": quick, "ceilings": ceilings, "rows": [], "notes": []}
     for name in names:
         say(name)
         t0 = time.perf_counter()
@@ -42,8 +44,23 @@ def run(names: tuple[str, ...] = BENCHES, quick: bool = False, device: str = "cp
         for row in rows:
             row["seconds"] = round(time.perf_counter() - t0, 1)
         result["rows"] += rows
+        if name == "decode":
+            _int8_quality(result, quality_model, device, quick)
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _int8_quality(result: dict, quality_model: str | None, device: str, quick: bool) -> None:
+    from pathlib import Path
+
+    from . import quality
+
+    path = Path(quality_model) if quality_model else quality.newest_lm_run()
+    if path is None:
+        result["notes"].append("int8 quality: no trained language model found under runs/ (train one with "
+                               "`tformer train`, or pass --quality-model DIR); perplexity check skipped")
+        return
+    result["rows"].append(quality.run(path, device, quick))
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -77,6 +94,7 @@ def format_table(result: dict) -> str:
                      f"({r['peer_name']}) | **{r['ratio']:.2f}x** | {target} | {_fmt(r.get('ceiling'))} | "
                      f"{util} | {peer_util} | {check} |")
     lines.append("")
+    lines += [f"note: {n}" for n in result.get("notes", [])]
     lines.append("ratio = tformer speed / peer speed (for times: peer time / tformer time); > 1 = tformer faster. "
                  f"Total {result['seconds']:.0f} s.")
     return "\n".join(lines)
@@ -88,6 +106,9 @@ def _check(r: dict) -> str:
         parts.append(f"min cos {r['min_cosine']:.6f}" + ("" if r.get("ok", True) else " FAILS"))
     if "same_tokens" in r:
         parts.append("same tokens" if r["same_tokens"] else "tokens differ")
+    if "ppl_change" in r:
+        parts.append(f"ppl {r['ppl']['fp32']:.3f} -> {r['ppl']['int8']:.3f} ({r['ppl_change']:+.2%})"
+                     + ("" if r["ok"] else " FAILS <= 1%"))
     if "growth" in r:
         parts.append(f"x{r['growth']:.2f} vs shortest")
     return ", ".join(parts) or "-"

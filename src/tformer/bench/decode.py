@@ -2,8 +2,10 @@
 initialised GPT2LMHeadModel converted with tformer.from_hf), greedy, EOS off so every run makes
 exactly the requested tokens.
 
-Ceiling at batch 1: each new token reads every weight once (the token embedding through the tied
-output layer; the position table only one row), so tokens/s <= read bandwidth / weight bytes.
+Ceiling (roofline): each step reads every weight once (the token embedding through the tied
+output layer; the position table only one row) and does 2 FLOPs per weight per batch row, so
+tokens/s <= batch / max(weight bytes / read bandwidth, 2·weights·batch / GEMM peak). At batch 1
+bandwidth decides.
 """
 
 from __future__ import annotations
@@ -45,12 +47,16 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     return weight_bytes(model) - skip
 
 
+def _gemm_weights(model) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if hasattr(m, "in_features")]      # nn.Linear and Int8Linear
+
+
 def _row(case, unit, ours_rate, peer_rate, **extra) -> dict:
     return {"bench": "decode", "case": case, "unit": unit, "tformer": ours_rate, "peer": peer_rate,
             "peer_name": "HF generate", "ratio": ours_rate / peer_rate, **extra}
 
 
-def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceiling_bw=None, target=None):
+def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=None, target=None):
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, ours.cfg.vocab_size, (batch, prompt), generator=g).to(device)
     run_ours, run_hf = _generators(ours, hf, ids, new)
@@ -59,15 +65,19 @@ def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceiling_bw
     same = torch.equal(run_ours(), run_hf())
     rates = {k: batch * new / t for k, t in times.items()}
     extra = {"same_tokens": same, "target": target}
-    if ceiling_bw is not None and batch == 1:
-        ceiling = ceiling_bw * 1e9 / bytes_per_token(ours)
-        extra.update(ceiling=ceiling, utilisation=rates["tformer"] / ceiling,
-                     peer_utilisation=rates["hf"] / ceiling, utilisation_name="of BW ceiling")
+    if ceilings is not None:
+        # Roofline: a step reads every weight once (bandwidth) and does 2 FLOPs per weight per row
+        # (GEMM peak); it cannot beat the slower of the two. At batch 1 bandwidth decides.
+        dtype = "bf16" if ours.lm_head.weight.dtype != torch.float32 else "fp32"
+        read_s = bytes_per_token(ours) / (ceilings["read_GBps"] * 1e9)
+        gemm_s = 2 * sum(p.numel() for p in _gemm_weights(ours)) * batch / (ceilings[f"gemm_{dtype}_GFLOPs"] * 1e9)
+        ceiling = batch / max(read_s, gemm_s)
+        extra.update(ceiling=ceiling, utilisation=rates["tformer"] / ceiling, peer_utilisation=rates["hf"] / ceiling,
+                     utilisation_name="of roofline (BW)" if read_s >= gemm_s else "of roofline (GEMM)")
     return _row(case, "tok/s", rates["tformer"], rates["hf"], **extra)
 
 
 def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
-    bw = ceilings["read_GBps"]
     rows = []
     new, repeats = (16, 1) if quick else (128, 3)
     shape = dict(GPT2, n_layers=2) if quick else GPT2
@@ -77,26 +87,26 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
         for batch in (1, 8):
             target = (1.0 if batch == 1 else 1.3)
             rows.append(_decode_case(ours, hf, batch, 32, new, device, repeats,
-                                     f"{name} b{batch} {dname} p32+{new}", bw, target))
+                                     f"{name} b{batch} {dname} p32+{new}", ceilings, target))
         if dname == "bf16":
-            rows.append(_int8_case(ours, hf, new, device, repeats, name, bw))
+            rows.append(_int8_case(ours, hf, new, device, repeats, name, ceilings))
         if dname == "fp32":
             rows += _prefill_and_context(ours, hf, device, quick)
         del ours, hf
     n = 50 if quick else 200
     ours, hf = _peers(SMALL, torch.float32, device)
-    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"small 4L/256/V2048 b1 fp32 p32+{n}", bw, 2.0))
+    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"small 4L/256/V2048 b1 fp32 p32+{n}", ceilings, 2.0))
     ours, hf = _peers(OVERHEAD, torch.float32, device)
     rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"overhead only: 4L/32/V64 b1 p32+{n}"))
     return rows
 
 
-def _int8_case(ours, hf_bf16, new, device, repeats, name, bw) -> dict:
+def _int8_case(ours, hf_bf16, new, device, repeats, name, ceilings) -> dict:
     """tformer with int8 weights (bf16 activations) vs HF with bf16 weights: fewer bytes per token."""
     from ..quant import quantize_int8
 
     quantize_int8(ours)
-    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", bw, 1.5)
+    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings, 1.5)
     row["peer_name"] = "HF generate bf16"
     return row
 

@@ -17,6 +17,9 @@ def register(sub) -> None:
                    help=f"run only these benchmarks (choose from {', '.join(NAMES)}; default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the full results (every number) as JSON here")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default: cpu)")
+    p.add_argument("--quality-model", metavar="DIR",
+                   help="trained language model (run or checkpoint dir) for the int8 perplexity check "
+                        "(default: the newest runs/lm-* here; skipped when there is none)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: torch's choice, usually one per core)")
     p.set_defaults(func=run)
@@ -41,6 +44,9 @@ def run(args) -> int:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise TformerError(f"cannot write --json {args.json}: folder {parent} does not exist (create it first)")
+    if args.quality_model:
+        from tformer.checkpoint import resolve
+        resolve(args.quality_model)                # a clear error now, not after minutes of benchmarks
     names = tuple(args.only) if args.only else NAMES
     try:
         import sentence_transformers  # noqa: F401
@@ -55,7 +61,8 @@ def run(args) -> int:
             bar.update(1)
         bar.set_postfix_str(name)
 
-    result = bench.run(names, quick=args.quick, device=args.device, progress=progress)
+    result = bench.run(names, quick=args.quick, device=args.device, progress=progress,
+                       quality_model=args.quality_model)
     bar.update(1)
     bar.close()
     print(bench.format_table(result))

@@ -77,6 +77,8 @@ def run(args) -> int:
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
                    eos_token_id=_eos(model, tokenizer))
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    from tformer.limits import check_generation
+    check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(tokenizer.encode(prompt)) + max_new))
     # Build the generator (which checks every argument) before printing anything.
     if args.num_beams > 1:
         pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate)])

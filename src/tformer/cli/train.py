@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -174,6 +175,8 @@ def prepare(args):
         from tformer.tokenizers import load_tokenizer
         tokenizer = load_tokenizer(resume)
     task = cls(args, tokenizer=tokenizer, init=None if resume else args.init)
+    from tformer.limits import check_task
+    check_task(task, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
     saved = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
     return task, cfg, resume, saved
 
@@ -183,6 +186,8 @@ def run(args) -> int:
 
     task, cfg, resume, saved = prepare(args)
     result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+        return 0
     best = result["best_val_loss"]
     print(f"{result['reason']}: step {result['step']}, {result['elapsed']:.0f} s"
           + (f", best val_loss {best:.4f}" if best is not None else ""))

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 from .. import corpora, metrics
 from ..data import split_rows, step_generator
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..models import EncoderClassifier
-from .common import arg, length_batches, load_pretrained_encoder, model_config, pad, warn
+from .common import arg, length_batches, length_grouped_rows, load_pretrained_encoder, model_config, pad, warn
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the issue's HF
 # reference; on 12k short sentences a bigger model only overfits sooner.
@@ -28,11 +28,12 @@ DEFAULT_VOCAB = 8000
 DEFAULT_MAX_LEN = 128
 
 
-def load_data(data: str | None, text_column: str = "text", label_column: str = "label") -> corpora.LabelledTexts:
+def load_data(data: str | None, text_column: str = "text", label_column: str = "label",
+              errors: str = "strict") -> corpora.LabelledTexts:
     """The built-in corpus by name, or the user's table."""
     if data in (None, "rotten-tomatoes"):
         return corpora.rotten_tomatoes()
-    return corpora.read_labelled(data, text_column, label_column)
+    return corpora.read_labelled(data, text_column, label_column, errors)
 
 
 def split(data: corpora.LabelledTexts, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -82,6 +83,16 @@ def score(model: EncoderClassifier, tokenizer, texts: list[str], labels: list[in
             "confusion": metrics.confusion_matrix(predicted, labels, len(label_names)), "labels": label_names}
 
 
+def drop_tokens(seq: list[int], p: float, generator) -> list[int]:
+    """`seq` without a random share p of its inner tokens (the first and last, [bos]/[eos], stay;
+    a text is never emptied): word dropout, which makes a model lean on more than a few cue words."""
+    inner = seq[1:-1]
+    keep = (torch.rand(len(inner), generator=generator) >= p).tolist()
+    if not any(keep):
+        return seq
+    return seq[:1] + [t for t, k in zip(inner, keep) if k] + seq[-1:]
+
+
 def format_confusion(matrix: list[list[int]], labels: list[str]) -> str:
     """The confusion matrix as a small text table (rows: true label, columns: predicted)."""
     width = max(8, *(len(name) + 1 for name in labels))
@@ -98,12 +109,19 @@ class ClassifyTask:
 
     @classmethod
     def add_arguments(cls, parser) -> None:
-        from ..cli.args import positive_int
+        from ..cli.args import below_one, positive_int
 
         g = parser.add_argument_group("classification (--task classify)")
         g.add_argument("--text-column", default="text", help="column (CSV/TSV) or field (JSONL) with the text "
                        "(default: text)")
         g.add_argument("--label-column", default="label", help="column or field with the label (default: label)")
+        g.add_argument("--pooling", choices=("first", "mean"), default=None,
+                       help="sentence vector for the head: the first token's (BERT; the default) or the mean of all "
+                            "tokens' (the default with --init of a sentence-transformers model, which was trained "
+                            "with mean pooling, so its first token carries no sentence meaning)")
+        g.add_argument("--token-dropout", type=below_one, default=None,
+                       help="training augmentation: delete each token of a training text with this probability "
+                            "(default: 0.1 from scratch, 0 with --init); small data sets overfit less")
         g.add_argument("--max-len", type=positive_int, default=None,
                        help=f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})")
 
@@ -113,7 +131,7 @@ class ClassifyTask:
         self.val_fraction = arg(args, "val_fraction", 0.1)
         self.data_name = arg(args, "data", "rotten-tomatoes")
         self.columns = (arg(args, "text_column", "text"), arg(args, "label_column", "label"))
-        data = load_data(self.data_name, *self.columns)
+        data = load_data(self.data_name, *self.columns, errors=arg(args, "errors", "strict"))
         self.label_names = sorted(set(data.labels))
         if len(self.label_names) < 2:
             raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); classification needs two or more")
@@ -124,6 +142,10 @@ class ClassifyTask:
             raise DataError(f"label(s) {', '.join(map(repr, unseen))} occur only in the held-out split, never in "
                             "training (add more examples of them, or lower --val-fraction)")
         self.init = init
+        self.token_dropout = arg(args, "token_dropout", 0.0 if init is not None else 0.1)
+        if not 0.0 <= self.token_dropout < 1.0:
+            raise ConfigError(f"--token-dropout {self.token_dropout} must be in [0, 1)")
+        self.pooling = arg(args, "pooling", "mean" if init is not None and _mean_pooled(init) else "first")
         self.pretrained = None
         if init is not None and tokenizer is None:
             self.pretrained, tokenizer = load_pretrained_encoder(init)
@@ -139,6 +161,7 @@ class ClassifyTask:
             warn(f"{cut} of {len(seqs)} texts are longer than --max-len {self.max_len} tokens and were truncated")
         self.train_seqs = [seqs[i] for i in train_idx]
         self.train_labels = [label_id[data.labels[i]] for i in train_idx]
+        self.by_length = sorted(range(len(self.train_seqs)), key=lambda i: len(self.train_seqs[i]))
         self.val_texts = [data.texts[i] for i in val_idx]
         self.val_labels = [label_id[data.labels[i]] for i in val_idx]
 
@@ -151,17 +174,20 @@ class ClassifyTask:
             cfg = encoder.cfg
             if getattr(self.args, "dropout", None) is not None:
                 cfg = cfg.replace(dropout=self.args.dropout)
-            model = EncoderClassifier(cfg, len(self.label_names), self.label_names)
+            model = EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
             model.encoder.load_state_dict(encoder.state_dict())
             return model
         cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
                            pad_token_id=self.tokenizer.pad_id)
-        return EncoderClassifier(cfg, len(self.label_names), self.label_names)
+        return EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
         g = step_generator(self.seed, step)
-        rows = torch.randint(0, len(self.train_seqs), (arg(self.args, "batch_size", 32),), generator=g).tolist()
-        ids, mask = pad([self.train_seqs[i] for i in rows], self.tokenizer.pad_id)
+        rows = length_grouped_rows(self.by_length, arg(self.args, "batch_size", 32), g)
+        seqs = [self.train_seqs[i] for i in rows]
+        if self.token_dropout:
+            seqs = [drop_tokens(seq, self.token_dropout, g) for seq in seqs]
+        ids, mask = pad(seqs, self.tokenizer.pad_id)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([self.train_labels[i] for i in rows])}
 
     def loss(self, model, batch: dict[str, Tensor]) -> Tensor:
@@ -182,7 +208,8 @@ class ClassifyTask:
                          for t, p in zip(texts, probs))
 
     def meta(self) -> dict[str, Any]:
-        return {"labels": self.label_names, "max_len": self.max_len, "init": self.init,
+        return {"labels": self.label_names, "max_len": self.max_len, "init": self.init, "pooling": self.pooling,
+                "token_dropout": self.token_dropout,
                 "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
                             "text_column": self.columns[0], "label_column": self.columns[1]}}
 
@@ -203,6 +230,18 @@ def write_confusion_png(matrix, labels, out_dir) -> None:
     except ImportError:
         return
     plot_confusion(matrix, labels, Path(out_dir) / "confusion.png")
+
+
+def _mean_pooled(init: str) -> bool:
+    """Whether --init is a sentence-transformers model trained with mean pooling (1_Pooling/config.json)."""
+    import json
+    from pathlib import Path
+
+    path = Path(init) / "1_Pooling" / "config.json"
+    try:
+        return bool(json.loads(path.read_text()).get("pooling_mode_mean_tokens"))
+    except (OSError, ValueError):
+        return False
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):

@@ -30,6 +30,16 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def length_grouped_rows(order: list[int], batch_size: int, generator) -> list[int]:
+    """`batch_size` rows drawn at random from a random window of 4 x batch_size neighbours in
+    `order` (the training rows sorted by length): the rows of a batch have similar lengths, so
+    little compute goes to padding, and every row can meet many different partners."""
+    window = min(len(order), 4 * batch_size)
+    start = int(torch.randint(0, len(order) - window + 1, (1,), generator=generator))
+    picks = torch.randint(0, window, (batch_size,), generator=generator)
+    return [order[start + int(i)] for i in picks]
+
+
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Indices grouped into batches of similar length (sorted), so evaluation pads little."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])

@@ -26,7 +26,7 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderDecoder
-from .common import arg, length_batches, model_config, pad, warn
+from .common import arg, length_batches, length_grouped_rows, model_config, pad, warn
 
 IGNORE = -100
 # The default shape (when --preset is not given): 2 + 2 layers of width 128, the HF Marian reference's
@@ -48,13 +48,13 @@ class Heldout:
         return {"data": data, "val_fraction": val_fraction, "seed": seed, "heldout_numbers": heldout_numbers}
 
 
-def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int = 1000):
+def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int = 1000, errors: str = "strict"):
     """(training pairs or None for numbers, held-out pairs, held-out numbers set or None) for a data name."""
     if data == "numbers-fr-en":
         held = corpora.numbers_heldout(heldout_numbers, seed)
         pairs = [number_pair(n) for n in held]
         return None, ([p[0] for p in pairs], [p[1] for p in pairs]), set(held)
-    pairs = corpora.bible_en_es() if data == "bible-en-es" else corpora.read_pairs(data)
+    pairs = corpora.bible_en_es() if data == "bible-en-es" else corpora.read_pairs(data, errors)
     if len(pairs.sources) < 2:
         raise DataError(f"{pairs.name} has {len(pairs.sources)} pair(s); need at least 2 (one to train, one to test)")
     if pairs.groups:
@@ -166,7 +166,7 @@ class TranslateTask:
         self.heldout_numbers = arg(args, "heldout_numbers", 1000)
         self.batch_size = arg(args, "batch_size", 32)
         train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
-                                                       self.heldout_numbers)
+                                                       self.heldout_numbers, arg(args, "errors", "strict"))
         if tokenizer is None:
             texts = train[0] + train[1] if train is not None else self._number_texts(4000)
             tokenizer = _train_tokenizer(texts, arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000)))
@@ -180,6 +180,7 @@ class TranslateTask:
         self.train_src = self.train_tgt = None
         if train is not None:
             self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len)
+            self.by_length = sorted(range(len(self.train_src)), key=lambda i: len(self.train_src[i]) + len(self.train_tgt[i]))
             cut = sum(len(s) >= self.max_len for s in self.train_src) + sum(len(t) >= self.max_len for t in self.train_tgt)
             if cut:
                 warn(f"{cut} training sentences are longer than {self.max_len} tokens and were cut")
@@ -199,8 +200,8 @@ class TranslateTask:
             pairs = [number_pair(corpora.sample_training_number(rng, self.heldout_set)) for _ in range(self.batch_size)]
             src, tgt = encode_pairs(self.tokenizer, [p[0] for p in pairs], [p[1] for p in pairs], self.max_len)
         else:
-            rows = torch.randint(0, len(self.train_src), (self.batch_size,), generator=step_generator(self.seed, step))
-            src, tgt = [self.train_src[i] for i in rows.tolist()], [self.train_tgt[i] for i in rows.tolist()]
+            rows = length_grouped_rows(self.by_length, self.batch_size, step_generator(self.seed, step))
+            src, tgt = [self.train_src[i] for i in rows], [self.train_tgt[i] for i in rows]
         return collate(self.tokenizer, src, tgt)
 
     def loss(self, model, batch: dict[str, Tensor]) -> Tensor:

