@@ -31,7 +31,7 @@ TEXT = "Now is the winter of our discontent made glorious summer by this sun of 
 def train_argv(data: Path, out: Path) -> list[str]:
     return ["train", "--data", str(data), "--preset", "tiny", "--context", "16", "--batch-size", "4",
             "--max-steps", str(STEPS), "--save-every", "1", "--log-every", "5", "--eval-every", "1000",
-            "--warmup", "1", "--no-progress", "--out", str(out)]
+            "--warmup", "1", "--no-progress", "--device", "cpu", "--out", str(out)]
 
 
 def _child(argv: list[str]) -> None:
@@ -103,6 +103,8 @@ def test_sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_result(
     assert proc.exitcode == 0, seed_note
     final = resolve(run)
     assert final.name == f"step-{STEPS:07d}"
+    hidden = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert not hidden, f"leftovers of killed saves: {hidden}"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [r["step"] for r in records]
     assert logged == sorted(set(logged)) and logged[-1] == STEPS  # no duplicates, nothing half-written

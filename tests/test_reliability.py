@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -85,8 +86,10 @@ def broken(ws, lm) -> Path:
     """Damaged copies of the LM checkpoint, a Hugging Face directory and its damaged copies."""
     b = ws / "broken"
     ckpt = tformer.checkpoint.resolve(lm)
-    for name in ("corrupt_config", "truncated", "no_tokenizer_file"):
+    for name in ("corrupt_config", "truncated", "no_tokenizer_file", "no_checksums"):
         shutil.copytree(ckpt, b / name)
+    config = json.loads((b / "no_checksums/config.json").read_text())
+    (b / "no_checksums/config.json").write_text(json.dumps({**config, "files": {}}))
     (b / "corrupt_config/config.json").write_text('{"format": "tformer", "architecture": "Deco', encoding="utf-8")
     weights = b / "truncated/model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -146,6 +149,7 @@ CASES = [
     ("generate-empty-dir", "generate --model {d}/empty_dir --prompt hi", "empty_dir"),
     ("generate-corrupt-config", "generate --model {b}/corrupt_config --prompt hi", "config.json"),
     ("generate-truncated-weights", "generate --model {b}/truncated --prompt hi", "model.safetensors"),
+    ("generate-no-checksums", "generate --model {b}/no_checksums --prompt hi", "checksum"),
     ("generate-missing-tokenizer-file", "generate --model {b}/no_tokenizer_file --prompt hi", "tokenizer.json"),
     ("generate-no-tokenizer", "generate --model {b}/api_saved --prompt hi", "tokenizer.json"),
     ("generate-hf-dir", "generate --model {b}/hf --prompt hi", "import-hf"),
@@ -163,6 +167,8 @@ CASES = [
     ("classify-text-not-utf8", ["classify", "--model", "{clf}", "bon \udcff"], "byte 4"),
     ("classify-wrong-kind", "classify --model {lm} good", "Decoder"),
     ("classify-truncated", "classify --model {b}/truncated good", "model.safetensors"),
+    ("translate-beams-too-big", "translate --model {mt} --num-beams 100000000 un", "--num-beams"),
+    ("eval-beams-too-big", "eval --model {mt} --num-beams 100000000", "--num-beams"),
     ("translate-wrong-kind", "translate --model {clf} un", "EncoderClassifier"),
     ("translate-corrupt-config", "translate --model {b}/corrupt_config un", "config.json"),
     ("eval-missing-model", "eval --model {ws}/nope", "nope"),
@@ -331,8 +337,7 @@ def test_internal_error_is_short_and_saves_the_traceback(monkeypatch, capsys):
     def boom(args):
         raise ZeroDivisionError("deliberate")
 
-    monkeypatch.setattr(trace_cli, "run", boom)
-    monkeypatch.setattr(trace_cli, "register", _register_with(trace_cli.register, boom))
+    monkeypatch.setattr(trace_cli, "run", boom)  # register() reads `run` when the parser is built
     rc, _, err = run_main(["trace", "--model", "x", "--text", "y"], capsys)
     lines = err.strip().split("\n")
     assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: internal error ZeroDivisionError")
@@ -344,11 +349,22 @@ def test_internal_error_is_short_and_saves_the_traceback(monkeypatch, capsys):
         main(["--debug", "trace", "--model", "x", "--text", "y"])
 
 
-def _register_with(register, func):
-    def wrapped(sub):
-        register(sub)
-        sub.choices["trace"].set_defaults(func=func)
-    return wrapped
+@pytest.mark.parametrize("error,key", [
+    (PermissionError(13, "Permission denied", "/data/out.png"), "/data/out.png: Permission denied"),
+    (OSError(28, "No space left on device", "/data/run"), "/data/run: No space left on device"),
+    (RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 1e12 bytes"),
+     "out of memory"),
+])
+def test_environment_errors_are_user_errors(monkeypatch, capsys, error, key):
+    """The machine refusing (no permission, no space, no memory) is not a bug: one line, exit 2."""
+    import tformer.cli.trace as trace_cli
+
+    def refuse(args):
+        raise error
+
+    monkeypatch.setattr(trace_cli, "run", refuse)
+    rc, _, err = run_main(["trace", "--model", "x", "--text", "y"], capsys)
+    check_one_line_error(rc, err, key)
 
 
 # --- checkpoint integrity ---------------------------------------------------------------------------
@@ -380,3 +396,32 @@ def test_resume_refuses_an_altered_checkpoint(ws, lm, capsys, tmp_path):
     rc, _, err = run_main(["train", "--resume", str(run), "--max-steps", "4"], capsys)
     check_one_line_error(rc, err, "model.safetensors")
     assert tree(run) == before
+
+
+# --- the public API: the same clear errors as the commands ----------------------------------------
+@pytest.mark.parametrize("kind", ["decoder", "encoder", "encoder-decoder"])
+def test_models_refuse_inputs_beyond_the_context_or_of_the_wrong_type(kind):
+    from tformer.errors import ConfigError
+
+    cfg = tformer.ModelConfig(kind=kind, vocab_size=11, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=8,
+                              positional="sinusoidal" if kind == "encoder-decoder" else "learned")
+    model = {"decoder": tformer.Decoder, "encoder": tformer.Encoder, "encoder-decoder": tformer.EncoderDecoder}[kind](cfg)
+
+    def call(ids):
+        return model(ids, ids) if kind == "encoder-decoder" else model(ids)
+
+    call(torch.zeros(2, 8, dtype=torch.long))  # exactly the context: fine
+    with pytest.raises(ConfigError, match="max_seq_len=8"):
+        call(torch.zeros(2, 9, dtype=torch.long))
+    with pytest.raises(ConfigError, match="integer"):
+        call(torch.zeros(2, 4))
+
+
+def test_checkpoint_file_list_cannot_point_outside_the_checkpoint(tmp_path, lm):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tformer.checkpoint.resolve(lm), ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["files"]["../../etc/passwd"] = "0" * 64
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not a file name of the checkpoint"):
+        tformer.load(ckpt)

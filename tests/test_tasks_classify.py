@@ -101,3 +101,23 @@ def test_train_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert main(["train", "--task", "classify", "--data", str(data), "--max-steps", "1", "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert "'meh'" in err and "never in training" in err and not run.exists()
+
+
+def test_mean_pooling_is_the_masked_mean_and_survives_save(tmp_path):
+    import torch
+
+    import tformer
+    from tformer import EncoderClassifier, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="encoder", vocab_size=50, d_model=32, n_heads=4, n_layers=1, max_seq_len=16)
+    model = EncoderClassifier(cfg, 3, ["a", "b", "c"], pooling="mean").eval()
+    ids = torch.randint(0, 50, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    hidden = model.encoder(ids, mask)
+    by_hand = torch.stack([hidden[0].mean(0), hidden[1, :3].mean(0)])
+    torch.testing.assert_close(model(ids, mask), model.head(by_hand))
+    tformer.save(model, tmp_path / "m")
+    again = tformer.load(tmp_path / "m").eval()
+    assert again.pooling == "mean"
+    torch.testing.assert_close(again(ids, mask), model(ids, mask))

@@ -135,3 +135,20 @@ def test_invalid_utf8_is_named_by_byte_offset_or_replaced(tmp_path, before, afte
         read_text(path)
     text = read_text(path, errors="replace")
     assert text.startswith(before.replace("\r\n", "\n")) and "\ufffd" in text
+
+
+@given(raw=st.binary(max_size=40))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_bytes_as_a_prompt_succeed_or_name_the_byte(models, raw, capsys):
+    # Python passes argv / stdin bytes that are not UTF-8 on as lone surrogates (surrogateescape).
+    prompt = raw.decode("utf-8", "surrogateescape")
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(models["dir"]), f"--prompt={prompt}", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        assert rc == 2 and err == f"error: the text is not UTF-8: byte {e.start} is 0x{raw[e.start]:02x} " \
+                                  "(convert the input to UTF-8)\n"
+    else:
+        assert rc in (0, 2) and (rc == 0 or err.startswith("error:")), err

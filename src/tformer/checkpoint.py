@@ -181,6 +181,9 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     files = data.get("files") or {}
     if not isinstance(files, dict):
         raise CheckpointError(f"{Path(data['_dir']) / CONFIG}: 'files' must map file names to sha256 checksums")
+    if WEIGHTS not in files:  # save() always records it: without it, damage would go unnoticed
+        raise CheckpointError(f"{Path(data['_dir']) / CONFIG} records no checksum for {WEIGHTS} "
+                              "(not written by tformer.save; re-save the model)")
     verify_files(Path(data["_dir"]), files)
     return data
 

@@ -2,8 +2,8 @@
 then write with it.
 
 The same run from the command line:
-    tformer train --data hamlet --preset small --tokenizer char --time-budget 270 \
-        --batch-size 32 --lr 2e-3 --dropout 0.1 --warmup 100 --eval-every 250 --out runs/demo-...
+    tformer train --data hamlet --preset small --tokenizer char --time-budget 300 --batch-size 32 \
+        --lr 2e-3 --dropout 0.1 --warmup 100 --eval-every 250 --seed 1337 --prompt "HAMLET:" --out runs/demo-...
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 # width 256, context 128), bf16 autocast, AdamW with lr 2e-3, warm-up then cosine over the budget.
 RECIPE = dict(task="lm", data="hamlet", preset="small", tokenizer="char", vocab_size=2000, context=None,
               dropout=0.1, val_fraction=0.1, init=None, batch_size=32, seed=1337, prompt="HAMLET:\n")
-TRAIN = dict(time_budget=270.0, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, grad_clip=1.0,
+TRAIN = dict(time_budget=300.0, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, grad_clip=1.0,
              precision="bf16", eval_every=250, save_every=1000, log_every=10)
 SAMPLES = [  # (what, generation settings)
     ("temperature 0.8, top-k 50", dict(temperature=0.8, top_k=50, top_p=None)),
@@ -29,7 +29,7 @@ SAMPLES = [  # (what, generation settings)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tformer.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--time-budget", type=float, default=TRAIN["time_budget"], help="training seconds (default 270)")
+    p.add_argument("--time-budget", type=float, default=TRAIN["time_budget"], help="training seconds (default 300)")
     p.add_argument("--out", default=None, help="run directory (default runs/demo-<date>-<time>)")
     opts = p.parse_args(argv)
 

@@ -64,10 +64,10 @@ def check_training(cfg: ModelConfig, micro_batch: int, seq_len: int, device) -> 
             "lower --batch-size, raise --grad-accum, or shorten --context / --max-len")
 
 
-def check_generation(cfg: ModelConfig, sequences: int, total_len: int, device="cpu") -> None:
+def check_generation(cfg: ModelConfig, sequences: int, total_len: int, device="cpu",
+                     fix: str = "lower --num-beams or --max-new-tokens") -> None:
     _refuse(generation_bytes(cfg, sequences, total_len), device,
-            f"generating {sequences} sequence(s) of up to {total_len} tokens",
-            "lower --num-beams or --max-new-tokens")
+            f"generating {sequences} sequence(s) of up to {total_len} tokens", fix)
 
 
 def check_task(task, train_cfg) -> None:

@@ -192,6 +192,9 @@ class Trainer:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(f"cannot write to --out {run} ({e.strerror or e})") from None
+        # Hidden leftovers of a run killed mid-save or mid-prune (never loaded): free their space.
+        for leftover in (run / "checkpoints").glob(".step-*") if (run / "checkpoints").is_dir() else ():
+            shutil.rmtree(leftover, ignore_errors=True)
 
     # --- outputs -------------------------------------------------------------------------
     def _metrics(self, record: dict[str, Any] | None = None, keep_until: int | None = None) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
+from .errors import ConfigError
 from .generation import GenerationMixin
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .masks import causal_mask, combine, padding_mask
@@ -41,8 +42,16 @@ class Embeddings(nn.Module):
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(cfg.dropout)
+        self.max_len = cfg.max_seq_len if self.position is not None else None  # RoPE has no table to run off
 
     def forward(self, ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        # Shape checks only (free): an index error deep inside an embedding says nothing to a user.
+        if ids.dim() != 2 or ids.is_floating_point():
+            raise ConfigError(f"token ids must be an integer tensor of shape (batch, length), got "
+                              f"{ids.dtype} of shape {tuple(ids.shape)}")
+        if self.max_len is not None and ids.size(1) > self.max_len:
+            raise ConfigError(f"the input has {ids.size(1)} tokens but the model's context is "
+                              f"max_seq_len={self.max_len} (shorten it)")
         x = self.token(ids) * self.scale                                         # (B, T, D)
         if self.position is not None:
             x = x + self.position(positions)

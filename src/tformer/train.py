@@ -8,8 +8,11 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
 
     class MyTask:
         name = "classify"
+        default_data = "rotten-tomatoes"       # optional: --data when not given (LM: "hamlet")
+        default_preset = "small"               # optional: --preset when not given
         @classmethod
-        def add_arguments(cls, parser): ...   # extra CLI flags; names must not clash with other tasks
+        def add_arguments(cls, parser): ...   # extra CLI flags; a flag another task already declared
+                                              # is skipped (the first declaration wins), so share meanings
         def __init__(self, args, tokenizer=None, init=None):
             # args: the parsed `tformer train` namespace (common flags: data, preset, tokenizer,
             #   vocab_size, context, dropout, batch_size, seed, val_fraction, init, ...).

@@ -28,6 +28,8 @@ def _check_parent(path) -> Path:
     """The output's folder must exist: we never create folders the user did not ask for."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise TformerError(f"cannot write {path}: {parent} is a file, not a folder (choose another path)")
     if not parent.is_dir():
         raise TformerError(f"cannot write {path}: folder {parent} does not exist (create it first)")
     return path

@@ -7,6 +7,7 @@ stays fast. Error policy (one place, here):
   - bad flags (argparse)                       -> `error: ...`, exit 2
   - Ctrl-C                                     -> exit 130
   - OSError naming a file (no permission, no space, a file where a folder should be) -> `error: ...`, exit 2
+  - out of memory                              -> `error: out of memory ...`, exit 2
   - anything else (a bug)                      -> short message + path of the saved traceback, exit 1
 `--debug` shows tracebacks instead.
 """
@@ -88,7 +89,18 @@ def main(argv: list[str] | None = None) -> int:
                          "and free space)\n")
         return 2
     except Exception as e:
+        if not args.debug and _out_of_memory(e):  # the pre-checks (tformer.limits) are lower bounds
+            sys.stderr.write(f"error: out of memory: {_one_line(e)[:200]} (lower --batch-size or --num-beams, "
+                             "or shorten the input)\n")
+            return 2
         return _internal_error(e, args.debug)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or \
+        (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def _internal_error(e: BaseException, debug: bool) -> int:

@@ -43,17 +43,17 @@ def run(args) -> int:
         raise ConfigError("--num-beams and --limit must be at least 1")
     model = load(args.model)
     model.eval()
+    if not isinstance(model, (Decoder, EncoderClassifier, EncoderDecoder)):
+        raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
+                          "EncoderClassifier or EncoderDecoder")
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
     if isinstance(model, EncoderClassifier):
         result, extra = eval_classifier(model, tokenizer, meta, args)
     elif isinstance(model, EncoderDecoder):
         result, extra = eval_translator(model, tokenizer, meta, args)
-    elif isinstance(model, Decoder):
-        result, extra = eval_lm(model, tokenizer, meta, args), ""
     else:
-        raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
-                          "EncoderClassifier or EncoderDecoder")
+        result, extra = eval_lm(model, tokenizer, meta, args), ""
     if args.json:
         print(json.dumps(result))
     else:
@@ -116,10 +116,12 @@ def eval_classifier(model, tokenizer, meta, args):
 
 
 def eval_translator(model, tokenizer, meta, args):
+    from tformer.limits import check_generation
     from tformer.tasks.translate import load_split, score
 
     held = meta.get("heldout", {})
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    check_generation(model.cfg, args.num_beams, max_len, fix="lower --num-beams")  # before any work
     data = args.data or held.get("data", "numbers-fr-en")
     if args.data is not None and args.data not in ("numbers-fr-en", "bible-en-es"):
         from tformer import corpora

@@ -47,6 +47,9 @@ def run(args) -> int:
     cut = sum(len(s) > max_len for s in src)
     if cut:
         warn(f"{cut} input(s) longer than the model's {max_len} tokens were truncated")
+    from tformer.limits import check_generation
+    check_generation(model.cfg, min(args.batch_size, len(texts)) * args.num_beams, max_len,
+                     fix="lower --num-beams or --batch-size")
     for line in translate(model, tokenizer, texts, args.num_beams, max_len, args.batch_size):
         print(line, flush=False)
     return 0
