@@ -35,7 +35,9 @@ def run(names: tuple[str, ...] = BENCHES, quick: bool = False, device: str = "cp
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     say("ceilings")
-    ceilings = measure_ceilings(device, quick)
+    # Load from other processes makes a single reading of a peak low: take the better of two.
+    first, second = measure_ceilings(device, quick), measure_ceilings(device, quick)
+    ceilings = {k: max(v, second[k]) for k, v in first.items()}
     result = {"machine": machine_info(device), "quick": quick, "ceilings": ceilings, "rows": [], "notes": []}
     for name in names:
         say(name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import from_hf_model, hf_gpt2, interleaved_times, median_time, weight_bytes
+from .common import from_hf_model, hf_gpt2, interleaved_times, weight_bytes
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
 SMALL = dict(n_layers=4, d_model=256, n_heads=4, vocab=2048, n_positions=512)
@@ -61,8 +61,10 @@ def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=N
     ids = torch.randint(0, ours.cfg.vocab_size, (batch, prompt), generator=g).to(device)
     run_ours, run_hf = _generators(ours, hf, ids, new)
     run_ours(4), run_hf(4)                                                     # warm-up, short
-    times = interleaved_times({"tformer": run_ours, "hf": run_hf}, device, repeats=repeats, warmup=0)
-    same = torch.equal(run_ours(), run_hf())
+    out = {}
+    times = interleaved_times({"tformer": lambda: out.update(ours=run_ours()),
+                               "hf": lambda: out.update(hf=run_hf())}, device, repeats=repeats, warmup=0)
+    same = torch.equal(out["ours"], out["hf"])
     rates = {k: batch * new / t for k, t in times.items()}
     extra = {"same_tokens": same, "target": target}
     if ceilings is not None:
@@ -125,15 +127,16 @@ def _prefill_and_context(ours, hf, device, quick) -> list[dict]:
                          times["hf"] * 1e3, ratio=times["hf"] / times["tformer"]))
     contexts = (16, 64) if quick else (32, 256, 768)
     new = 4 if quick else 16
-    per_token = {}
+    first = None
     for n in contexts:
         ids = torch.randint(0, ours.cfg.vocab_size, (1, n), generator=g).to(device)
         run_ours, run_hf = _generators(ours, hf, ids, new + 1)
         first_ours, first_hf = _generators(ours, hf, ids, 1)
-        t = {k: median_time(f, device, repeats=2 if quick else 3)
-             for k, f in (("ours", run_ours), ("hf", run_hf), ("ours1", first_ours), ("hf1", first_hf))}
+        # (time for new+1 tokens - time for 1) / new = time per decoded token at this context
+        t = interleaved_times({"ours": run_ours, "ours1": first_ours, "hf": run_hf, "hf1": first_hf}, device,
+                              repeats=2 if quick else 3, warmup=1)
         ours_ms, hf_ms = ((t[a] - t[b]) / new * 1e3 for a, b in (("ours", "ours1"), ("hf", "hf1")))
-        per_token[n] = ours_ms
+        first = first or ours_ms
         rows.append(_row(f"decode ms/token at context {n} fp32", "ms", ours_ms, hf_ms, ratio=hf_ms / ours_ms,
-                         growth=ours_ms / per_token[contexts[0]]))
+                         growth=ours_ms / first))
     return rows

@@ -141,11 +141,11 @@ class ClassifyTask:
         if unseen:
             raise DataError(f"label(s) {', '.join(map(repr, unseen))} occur only in the held-out split, never in "
                             "training (add more examples of them, or lower --val-fraction)")
-        self.init = init
-        self.token_dropout = arg(args, "token_dropout", 0.0 if init is not None else 0.1)
+        self.init = init if init is not None else arg(args, "init")  # on --resume the CLI passes init=None
+        self.token_dropout = arg(args, "token_dropout", 0.0 if self.init is not None else 0.1)
         if not 0.0 <= self.token_dropout < 1.0:
             raise ConfigError(f"--token-dropout {self.token_dropout} must be in [0, 1)")
-        self.pooling = arg(args, "pooling", "mean" if init is not None and _mean_pooled(init) else "first")
+        self.pooling = arg(args, "pooling", "mean" if self.init is not None and _mean_pooled(self.init) else "first")
         self.pretrained = None
         if init is not None and tokenizer is None:
             self.pretrained, tokenizer = load_pretrained_encoder(init)
