@@ -308,22 +308,19 @@ SUBPROCESS_ROWS = ["generate-truncated-weights", "train-binary-data", "import-pi
 
 def test_real_processes(ws, request, tmp_path):
     rows = {c[0]: c for c in CASES}
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = []
-    before = None
-    for name in SUBPROCESS_ROWS:
-        _, argv, key = rows[name]
-        argv = expand(request, ws, argv)
-        before = before or tree(ws)
-        procs.append((name, key, subprocess.Popen([sys.executable, "-m", "tformer", *argv], env=env, text=True,
-                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    commands = [(expand(request, ws, rows[name][1]), rows[name][2], None) for name in SUBPROCESS_ROWS]
     # Bytes that are not UTF-8 on stdin (Python hands them over as lone surrogates).
     (tmp_path / "prompt.txt").write_bytes(b"To be\xff or not")
-    with open(tmp_path / "prompt.txt", "rb") as prompt:
-        procs.append(("stdin-not-utf8", "byte 5", subprocess.Popen(
-            [sys.executable, "-m", "tformer", "generate", "--model", str(request.getfixturevalue("lm")), "--prompt", "-"],
-            env=env, stdin=prompt, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
-    for name, key, proc in procs:
+    commands.append((["generate", "--model", str(request.getfixturevalue("lm")), "--prompt", "-"], "byte 5",
+                     tmp_path / "prompt.txt"))
+    before = tree(ws)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # warnings are not silenced: users would see them too
+    procs = []
+    for argv, key, stdin in commands:
+        with open(stdin or os.devnull, "rb") as f:
+            procs.append((key, subprocess.Popen([sys.executable, "-m", "tformer", *argv], env=env, stdin=f, text=True,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    for key, proc in procs:
         _, err = proc.communicate(timeout=120)
         check_one_line_error(proc.returncode, err, key)
     assert tree(ws) == before
@@ -405,7 +402,8 @@ def test_models_refuse_inputs_beyond_the_context_or_of_the_wrong_type(kind):
 
     cfg = tformer.ModelConfig(kind=kind, vocab_size=11, d_model=16, n_heads=2, n_layers=1, d_ff=32, max_seq_len=8,
                               positional="sinusoidal" if kind == "encoder-decoder" else "learned")
-    model = {"decoder": tformer.Decoder, "encoder": tformer.Encoder, "encoder-decoder": tformer.EncoderDecoder}[kind](cfg)
+    classes = {"decoder": tformer.Decoder, "encoder": tformer.Encoder, "encoder-decoder": tformer.EncoderDecoder}
+    model = classes[kind](cfg)
 
     def call(ids):
         return model(ids, ids) if kind == "encoder-decoder" else model(ids)

@@ -4,6 +4,7 @@ metrics, checkpoints and resume. See train.py for the Task protocol and the run-
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from .checkpoint import _aliases, load_state, read_safetensors, save, verify
-from .errors import CheckpointError
+from .errors import CheckpointError, TformerError
 from .train import (Task, TrainConfig, autocast, load_optimizer_tensors, lr_at, make_optimizer,
                     micro_batches, optimizer_tensors, pick_device, progress_of)
 
@@ -27,6 +28,14 @@ STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
 RNG = "rng.safetensors"
 STEP_DIR = re.compile(r"step-\d{7}")
+
+
+class NonFiniteError(TformerError):
+    """A NaN or infinite loss, gradient or weight stopped the run (after --skip-nonfinite skipped steps)."""
+
+    def __init__(self, step: int, what: str, message: str | None = None):
+        super().__init__(message or f"step {step}: {what} is not finite")
+        self.step, self.what = step, what
 
 
 def checkpoint_dir(run: Path, step: int) -> Path:
@@ -109,6 +118,7 @@ class Trainer:
         self.args = args or {}
         self.run_dir = Path(cfg.out)
         self.stop_requested = False
+        self.nonfinite = 0  # steps skipped for a NaN/inf loss or gradient
 
     # --- set-up --------------------------------------------------------------------------
     def _build(self, resume: str | None) -> dict[str, Any]:
@@ -281,7 +291,10 @@ class Trainer:
         eval_model.eval()
         with torch.no_grad():
             metrics = self.task.evaluate(eval_model)
-            sample = self.task.sample(eval_model) if (self.dist.main or self.cfg.fsdp) else ""
+            if not math.isfinite(metrics["val_loss"]):  # NaN outputs: sampling from them would fail
+                sample = "(none: the model's outputs are not finite)"
+            else:
+                sample = self.task.sample(eval_model) if (self.dist.main or self.cfg.fsdp) else ""
         eval_model.train()
         if state["best_val_loss"] is None or metrics["val_loss"] < state["best_val_loss"]:
             state["best_val_loss"] = metrics["val_loss"]
@@ -311,6 +324,8 @@ class Trainer:
         self.dist = None
         try:
             return self._run(resume)
+        except NonFiniteError as e:
+            raise self._stop_nonfinite(e) from None
         finally:
             if self.dist is not None:
                 self.dist.close()
@@ -321,7 +336,7 @@ class Trainer:
         cfg, task = self.cfg, self.task
         self.dist = Dist(cfg.device)
         self._check_out(resume)
-        state = self._build(resume)
+        state = self.state = self._build(resume)
         self.records: list[dict[str, Any]] = []
         self._metrics(keep_until=state["step"] if resume else 0)
         handler = None
@@ -350,13 +365,12 @@ class Trainer:
                             loss = task.loss(self.train_model, micro) / len(micros)
                         loss.backward()
                     loss_sum += loss.item()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                self.opt.step()
+                if self._healthy(loss_sum, self._grad_norm(), step + 1):
+                    self.opt.step()
+                    losses.append(loss_sum)
                 self.opt.zero_grad(set_to_none=True)
                 train_time += time.perf_counter() - t_step
                 tokens_since += task.tokens(batch)
-                losses.append(loss_sum)
                 state["step"] = step = step + 1
                 state["tokens"] += task.tokens(batch)
                 state["elapsed"], stop = self.dist.max([time.perf_counter() - start, float(self.stop_requested)],
@@ -366,7 +380,8 @@ class Trainer:
                     state["warm_elapsed"] = state["elapsed"]
                 record = None
                 if step % cfg.log_every == 0 or self._done(state):
-                    record = {"step": step, "train_loss": self.dist.mean(sum(losses) / len(losses), self.device),
+                    mean_loss = sum(losses) / len(losses) if losses else math.nan  # nan: every step skipped
+                    record = {"step": step, "train_loss": self.dist.mean(mean_loss, self.device),
                               "lr": lr, "tokens_per_s": tokens_since / max(train_time, 1e-9),
                               "elapsed": round(state["elapsed"], 3)}
                     bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -383,6 +398,7 @@ class Trainer:
                         self._plot()
                 bar.update(1)
                 if step % cfg.save_every == 0 and not self._done(state):
+                    self._check_weights(step)
                     self._save(state)
                     last_save = step
         finally:
@@ -391,6 +407,7 @@ class Trainer:
                 signal.signal(signal.SIGINT, handler)
         path = checkpoint_dir(self.run_dir, state["step"])
         if last_save != state["step"]:
+            self._check_weights(state["step"])
             path = self._save(state)
         self._plot()
         if reason == "interrupted":
@@ -399,6 +416,54 @@ class Trainer:
         return {"reason": reason, "step": state["step"], "best_val_loss": state["best_val_loss"],
                 "checkpoint": str(path), "run_dir": str(self.run_dir), "elapsed": state["elapsed"],
                 "tokens": state["tokens"], "records": self.records}
+
+    # --- numeric health --------------------------------------------------------------------
+    def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm, after clipping to --grad-clip when set."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.grad_clip:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _healthy(self, loss: float, norm: torch.Tensor, step: int) -> bool:
+        """Whether step `step` may update the weights. A NaN/inf loss or gradient skips the update
+        (at most --skip-nonfinite times), then stops the run before the bad step touches anything."""
+        bad = not (math.isfinite(loss) and bool(torch.isfinite(norm)))
+        if self.dist.world > 1:  # every process must take the same decision
+            bad = bool(self.dist.max([float(bad)], self.device)[0])
+        if not bad:
+            return True
+        what = f"the loss ({loss})" if not math.isfinite(loss) else f"the gradient norm ({float(norm)})"
+        self.nonfinite += 1
+        if self.nonfinite > self.cfg.skip_nonfinite:
+            raise NonFiniteError(step, what)
+        self._say(f"warning: step {step}: {what} is not finite; update skipped "
+                  f"({self.nonfinite} of --skip-nonfinite {self.cfg.skip_nonfinite})")
+        return False
+
+    def _weights_finite(self) -> bool:
+        local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                    for p in self.model.parameters())
+        return not self.dist.max([float(not local)], self.device)[0]
+
+    def _check_weights(self, step: int) -> None:
+        """Never save weights an update made NaN/inf (a finite but huge step can)."""
+        if not self._weights_finite():
+            raise NonFiniteError(step, "a weight after the update")
+
+    def _stop_nonfinite(self, e: NonFiniteError) -> NonFiniteError:
+        """Save the last good weights if they are not on disk yet (never bad ones); say where to go on."""
+        state = self.state
+        if state["step"] > 0 and not checkpoint_dir(self.run_dir, state["step"]).exists() and self._weights_finite():
+            self._save(state)
+        ckpts = sorted(p for p in (self.run_dir / "checkpoints").glob("step-*") if STEP_DIR.fullmatch(p.name)) \
+            if (self.run_dir / "checkpoints").is_dir() else []
+        where = (f"the last good checkpoint is {ckpts[-1]} (continue with `tformer train --resume {self.run_dir} "
+                 "--skip-nonfinite N` to skip up to N such steps, or start again with a lower --lr)" if ckpts else
+                 "no checkpoint was saved (start again with a lower --lr, or --skip-nonfinite N to skip such steps)")
+        return NonFiniteError(e.step, e.what, f"step {e.step}: {e.what} is not finite, training stopped; {where}")
 
     def _sync(self, last: bool):
         """Gradient accumulation: exchange gradients only in the last micro-batch's backward."""

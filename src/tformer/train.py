@@ -114,6 +114,7 @@ class TrainConfig:
     compile: bool = False          # torch.compile the model (pays off only for long runs)
     stop_at: int | None = None     # stop (with a checkpoint) after this step, as if interrupted
     progress: bool = True          # tqdm bar on stderr
+    skip_nonfinite: int = 0        # steps with a NaN/inf loss or gradient skipped (no update) before stopping
 
     def check(self) -> None:
         if self.max_steps is None and self.time_budget is None:
@@ -122,6 +123,8 @@ class TrainConfig:
             raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
+        if self.skip_nonfinite < 0:
+            raise ConfigError(f"--skip-nonfinite {self.skip_nonfinite} must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,7 +19,7 @@ from tformer.errors import ConfigError
 
 # Flags that may change when a run is resumed; everything else comes from the saved run.
 RESUMABLE = ("max_steps", "time_budget", "save_every", "eval_every", "log_every", "keep", "stop_at", "progress",
-             "device")
+             "device", "skip_nonfinite")
 ONCE = ("stop_at", "progress", "device")  # apply to one invocation only, never inherited by --resume
 
 
@@ -89,6 +89,9 @@ def register(sub) -> None:
     a("--warmup", type=nonneg_int, default=100, help="linear warm-up steps (default 100)")
     a("--weight-decay", type=nonneg_float, default=0.1, help="AdamW decoupled weight decay (default 0.1)")
     a("--grad-clip", type=nonneg_float, default=1.0, help="max gradient norm, 0 = off (default 1.0)")
+    a("--skip-nonfinite", type=nonneg_int, default=0, metavar="N",
+      help="skip up to N steps whose loss or gradient is NaN/inf (no update) before stopping; the default 0 stops "
+           "at the first, keeping the last good checkpoint")
     a("--precision", default="bf16", choices=("fp32", "bf16"), help="bf16 autocast (default) or fp32")
     a("--eval-every", type=positive_int, default=250, help="validate (and print a sample) every N steps")
     a("--save-every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
@@ -168,7 +171,7 @@ def prepare(args):
                       grad_clip=args.grad_clip, precision=args.precision, eval_every=args.eval_every,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
                       device=args.device, fsdp=args.fsdp, compile=args.compile, stop_at=args.stop_at,
-                      progress=args.progress)
+                      progress=args.progress, skip_nonfinite=getattr(args, "skip_nonfinite", 0))
     cfg.check()
     tokenizer = None
     if resume:
