@@ -12,7 +12,7 @@ tformer train --task classify --vocab-size 4000 --dropout 0.2 --batch-size 64 --
 tformer eval --model $OUT/sentiment --json
 
 # 2. sentiment fine-tuned from all-MiniLM-L6-v2 (mean pooling: see README), 10 minutes
-tformer train --task classify --init "$MINILM" --lr 5e-5 --batch-size 16 --warmup 30 --time-budget 600 \
+tformer train --task classify --init "$MINILM" --lr 1e-4 --batch-size 16 --warmup 20 --max-len 64 --time-budget 600 \
     --eval-every 100000 --out $OUT/sentiment-minilm
 tformer eval --model $OUT/sentiment-minilm --json
 

@@ -40,14 +40,6 @@ def number_pair(n: int) -> tuple[str, str]:
     return corpora.number_pair(n)
 
 
-class Heldout:
-    """How to rebuild the held-out pairs of a run (stored in the checkpoint's meta)."""
-
-    @staticmethod
-    def describe(data: str, val_fraction: float, seed: int, heldout_numbers: int) -> dict[str, Any]:
-        return {"data": data, "val_fraction": val_fraction, "seed": seed, "heldout_numbers": heldout_numbers}
-
-
 def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int = 1000, errors: str = "strict"):
     """(training pairs or None for numbers, held-out pairs, held-out numbers set or None) for a data name."""
     if data == "numbers-fr-en":
@@ -223,7 +215,8 @@ class TranslateTask:
 
     def meta(self) -> dict[str, Any]:
         return {"max_len": self.max_len, "label_smoothing": self.label_smoothing,
-                "heldout": Heldout.describe(self.data_name, self.val_fraction, self.seed, self.heldout_numbers)}
+                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
+                            "heldout_numbers": self.heldout_numbers}}
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):
