@@ -336,7 +336,7 @@ def test_cli_streams_seeded_text_reproducibly(checkpoint, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, name", [(["--top-p", "1.5"], "top_p"), (["--temperature", "-1"], "temperature"),
-                                         (["--top-k", "-2"], "top_k"), (["--max-new-tokens", "500"], "max_new_tokens")])
+                                         (["--top-k", "-2"], "top_k"), (["--max-new-tokens", "-5"], "max_new_tokens")])
 def test_cli_bad_arguments_print_one_error_line(checkpoint, capsys, flags, name):
     try:                                   # argparse-level checks exit, the library's are returned
         code = main(["generate", "--model", checkpoint, "--prompt", "hi"] + flags)
@@ -348,3 +348,17 @@ def test_cli_bad_arguments_print_one_error_line(checkpoint, capsys, flags, name)
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert name in lines[0] or "--" + name.replace("_", "-") in lines[0]      # the argument or its flag
+
+
+def test_cli_writes_past_the_context_with_a_sliding_window(checkpoint, capsys):
+    """A decoder asked for more tokens than its context holds continues from the last half-context;
+    the library call itself still refuses (HF semantics)."""
+    context = tformer.load(checkpoint).cfg.max_seq_len
+    args = ["generate", "--model", checkpoint, "--prompt", "hello", "--seed", "1", "--greedy",
+            "--max-new-tokens", str(2 * context)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert main(args) == 0 and capsys.readouterr().out == out
+    assert len(out) > context  # char tokenizer: one character per token (EOS may end it early otherwise)
+    with pytest.raises(ValueError, match="max_new_tokens|max_seq_len"):
+        tformer.load(checkpoint).generate(rand_ids(1, 3), max_new_tokens=2 * context)

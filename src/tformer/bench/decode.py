@@ -10,9 +10,12 @@ bandwidth decides.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
-from .common import from_hf_model, hf_gpt2, interleaved_times, weight_bytes
+from .common import from_hf_model, hf_gpt2, interleaved_times, sync, weight_bytes
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
 SMALL = dict(n_layers=4, d_model=256, n_heads=4, vocab=2048, n_positions=512)
@@ -45,6 +48,32 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     table = model.stack.embed.position
     skip = table.weight.numel() * table.weight.element_size() if hasattr(table, "weight") else 0
     return weight_bytes(model) - skip
+
+
+class StepClock:
+    """A generation streamer that notes when each new token arrives; the median gap between
+    consecutive tokens is the time of one decoding step (prefill excluded, robust to hiccups).
+    Works as tformer's `streamer(tokens)` and as HF's streamer (put / end; HF puts the prompt first)."""
+
+    def __init__(self, device: str):
+        self.device, self.gaps, self.last = device, [], None
+
+    def put(self, tokens) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        if self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    __call__ = put
+
+    def end(self) -> None:
+        self.last = None                       # the next generate() starts a new series
+
+    def median_ms(self) -> float:
+        # HF's first gap of each series is the prefill (it puts the prompt, then the first token):
+        # one outlier among `new` gaps, which the median ignores.
+        return statistics.median(self.gaps) * 1e3
 
 
 def _gemm_weights(model) -> list[torch.Tensor]:
@@ -130,12 +159,13 @@ def _prefill_and_context(ours, hf, device, quick) -> list[dict]:
     first = None
     for n in contexts:
         ids = torch.randint(0, ours.cfg.vocab_size, (1, n), generator=g).to(device)
-        run_ours, run_hf = _generators(ours, hf, ids, new + 1)
-        first_ours, first_hf = _generators(ours, hf, ids, 1)
-        # (time for new+1 tokens - time for 1) / new = time per decoded token at this context
-        t = interleaved_times({"ours": run_ours, "ours1": first_ours, "hf": run_hf, "hf1": first_hf}, device,
-                              repeats=2 if quick else 3, warmup=1)
-        ours_ms, hf_ms = ((t[a] - t[b]) / new * 1e3 for a, b in (("ours", "ours1"), ("hf", "hf1")))
+        ours_clock, hf_clock = StepClock(device), StepClock(device)
+        run_ours = lambda: (ours.generate(ids, max_new_tokens=new + 1, eos_token_id=[], streamer=ours_clock),  # noqa: E731
+                            ours_clock.end())
+        run_hf = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new + 1,  # noqa: E731
+                                     min_new_tokens=new + 1, do_sample=False, streamer=hf_clock)
+        interleaved_times({"ours": run_ours, "hf": run_hf}, device, repeats=2 if quick else 3, warmup=0)
+        ours_ms, hf_ms = ours_clock.median_ms(), hf_clock.median_ms()
         first = first or ours_ms
         rows.append(_row(f"decode ms/token at context {n} fp32", "ms", ours_ms, hf_ms, ratio=hf_ms / ours_ms,
                          growth=ours_ms / first))

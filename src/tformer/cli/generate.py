@@ -27,8 +27,8 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
     p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N",
-                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}, or fewer if the model's "
-                        f"context is full before)")
+                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}); a decoder whose context fills "
+                        f"up continues from the last half-context of text")
     p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS["temperature"], metavar="T",
                    help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
                         "(default %(default)s)")
@@ -68,10 +68,12 @@ def run(args) -> int:
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
                            f"(use a Decoder or EncoderDecoder checkpoint)")
     tokenizer = load_tokenizer(args.model)
-    max_new = args.max_new_tokens
-    if max_new is None:  # the default never overflows the context; an explicit value is checked instead
+    max_new = DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens
+    if isinstance(model, EncoderDecoder) or args.num_beams > 1:
+        # No sliding window here: the target (or every beam) must fit the context.
         used = 1 if isinstance(model, EncoderDecoder) else max(len(tokenizer.encode(prompt)), 1)
-        max_new = max(0, min(DEFAULTS["max_new_tokens"], model.cfg.max_seq_len - used))
+        if args.max_new_tokens is None:
+            max_new = max(0, min(max_new, model.cfg.max_seq_len - used))
     options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
@@ -83,7 +85,8 @@ def run(args) -> int:
     if args.num_beams > 1:
         pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate)])
     else:
-        pieces = stream_text(model, tokenizer, prompt, stop_strings=args.stop, generator=generator, **options)
+        pieces = stream_text(model, tokenizer, prompt, stop_strings=args.stop, generator=generator,
+                             sliding_window=True, **options)
     out = sys.stdout
     if not args.no_echo and isinstance(model, Decoder):
         out.write(prompt)

@@ -23,10 +23,13 @@ from .stopping import TextStream, sequence_hits
 
 
 def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop: bool = False,
-                **kwargs) -> Iterator[str]:
+                sliding_window: bool = False, **kwargs) -> Iterator[str]:
     """Generate from one text prompt and yield the new text as it becomes complete (never half a
     UTF-8 character, never the start of a stop string that may still complete). For an
-    EncoderDecoder the prompt is the source text. Other arguments as in generate()."""
+    EncoderDecoder the prompt is the source text. Other arguments as in generate().
+
+    sliding_window=True lets a Decoder write past its context (max_seq_len): when the context is
+    full, generation restarts from the last half-context of tokens (as nanoGPT's sampler does)."""
     ids = tokenizer.encode(prompt)
     if not ids and getattr(tokenizer, "bos_id", None) is not None:
         ids = [tokenizer.bos_id]
@@ -34,11 +37,42 @@ def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop:
         from ..errors import ConfigError
         raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")
     device = next(model.parameters()).device
-    input_ids = torch.tensor([ids], device=device)
     stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
-    steps = stream(model, input_ids, stop_strings=stop_strings, tokenizer=tokenizer, **kwargs)  # checks arguments now
+    max_new, context = kwargs.pop("max_new_tokens", 20), model.cfg.max_seq_len
+    if sliding_window and not hasattr(model, "encode") and len(ids) + max_new > context:
+        first = min(max_new, context - len(ids))
+        steps = _windowed(model, ids, first, max_new, context, dict(stop_strings=stop_strings, tokenizer=tokenizer,
+                                                                    **kwargs))
+    else:
+        steps = stream(model, torch.tensor([ids], device=device), stop_strings=stop_strings, tokenizer=tokenizer,
+                       max_new_tokens=max_new, **kwargs)  # checks arguments now
     eos = set(_eos_ids(model, kwargs.get("eos_token_id")))
     return _text_pieces(steps, TextStream(tokenizer, stop_strings, include_stop), eos)
+
+
+def _windowed(model, ids: list[int], first: int, max_new: int, context: int, kwargs: dict) -> Iterator[Tensor]:
+    """Steps of stream() over successive windows: each round continues the last context // 2 tokens.
+    The first round is created now, so its arguments are checked before any text is printed."""
+    device = next(model.parameters()).device
+    steps = stream(model, torch.tensor([ids], device=device), max_new_tokens=first, **kwargs)
+
+    def rounds() -> Iterator[Tensor]:
+        nonlocal steps
+        tokens, remaining, n = list(ids), max_new, first
+        while True:
+            produced = 0
+            for step in steps:
+                produced += 1
+                tokens.append(int(step[0]))
+                yield step
+            remaining -= produced
+            if produced < n or remaining <= 0:  # stopped early (EOS, stop sequence) or done
+                return
+            window = tokens[-(context // 2):]
+            n = min(remaining, context - len(window))
+            steps = stream(model, torch.tensor([window], device=device), max_new_tokens=n, **kwargs)
+
+    return rounds()
 
 
 def _text_pieces(steps: Iterator[Tensor], text: TextStream, eos: set[int]) -> Iterator[str]:
