@@ -155,7 +155,7 @@ CASES = [
     ("generate-hf-dir", "generate --model {b}/hf --prompt hi", "import-hf"),
     ("generate-wrong-kind", "generate --model {clf} --prompt hi", "EncoderClassifier"),
     ("generate-prompt-too-long", ["generate", "--model", "{lm}", "--prompt", LONG], "context"),
-    ("generate-too-many-tokens", "generate --model {lm} --prompt hi --max-new-tokens 1000000", "max_seq_len"),
+    ("generate-too-many-tokens", "generate --model {lm} --prompt hi --max-new-tokens 1000000", "--max-new-tokens"),
     ("generate-beams-too-big", "generate --model {lm} --prompt hi --num-beams 1000000000", "--num-beams"),
     ("generate-negative-tokens", "generate --model {lm} --prompt hi --max-new-tokens -5", "--max-new-tokens"),
     ("generate-prompt-not-utf8", ["generate", "--model", "{lm}", "--prompt", "caf\udce9 au lait"], "byte 3"),

@@ -3,7 +3,8 @@
 
 Writes are atomic: everything goes into a hidden temporary directory next to the target, which
 is renamed into place only when complete. A run directory (see train.py) holds checkpoints under
-`checkpoints/step-NNNNNNN/`; `load(run_dir)` takes the newest complete one.
+`checkpoints/step-NNNNNNN/` and, with --keep-best, the best-scoring model under `best/`;
+`load(run_dir)` takes `best/` when there is one, else the newest complete step checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+BEST = "best"  # RUN/best/: the best-scoring model of a run (see resolve)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Encoder": Encoder, "EncoderClassifier": EncoderClassifier, "Decoder": Decoder, "EncoderDecoder": EncoderDecoder,
 }
@@ -124,8 +126,10 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
     return path
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or the newest complete checkpoint inside a run directory."""
+def resolve(path: str | os.PathLike, best: bool = True) -> Path:
+    """A checkpoint directory itself; inside a run directory, `best/` (the model with the best
+    validation score, written by `tformer train --keep-best`) when `best` is true and it exists,
+    else the newest complete `checkpoints/step-*` (the one training resumes from)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist (pass a checkpoint or run directory)")
@@ -133,6 +137,8 @@ def resolve(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path} is not a directory (pass a checkpoint or run directory)")
     if (path / CONFIG).exists():
         return path
+    if best and (path / BEST / CONFIG).exists():
+        return path / BEST
     ckpts = [p for p in (path / "checkpoints").glob("step-*") if (p / CONFIG).exists()] \
         if (path / "checkpoints").is_dir() else []
     if ckpts:
@@ -237,8 +243,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None) -> nn.Module:
-    """Load a model saved by `save` (or the newest checkpoint of a run directory). The model is in
-    eval mode; move it with `device` or `.to(...)`."""
+    """Load a model saved by `save` (or from a run directory: its `best/` model if it has one, else
+    its newest checkpoint; see `resolve`). The model is in eval mode; move it with `device` or `.to(...)`."""
     data = verify(path)
     ckpt = Path(data["_dir"])
     if not (ckpt / WEIGHTS).exists():

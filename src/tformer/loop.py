@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import _aliases, load_state, read_safetensors, save, verify
+from .checkpoint import BEST, _aliases, load_state, read_config, read_safetensors, resolve, save, verify
 from .errors import CheckpointError, TformerError
 from .train import (Task, TrainConfig, autocast, load_optimizer_tensors, lr_at, make_optimizer,
                     micro_batches, optimizer_tensors, pick_device, progress_of)
@@ -43,11 +43,13 @@ def checkpoint_dir(run: Path, step: int) -> Path:
 
 
 def read_trainer_state(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """(checkpoint dir, trainer_state.json) of a training checkpoint or run directory."""
-    ckpt = Path(verify(path)["_dir"])  # checksums first: never resume from a damaged checkpoint
+    """(checkpoint dir, trainer_state.json) of a training checkpoint or run directory (the newest
+    checkpoints/step-*, never best/: that one holds the best model, not where training stopped)."""
+    ckpt = Path(verify(resolve(path, best=False))["_dir"])  # checksums first: never resume from a damaged checkpoint
     if not (ckpt / STATE).is_file():
-        raise CheckpointError(f"{ckpt} holds a model but no training state ({STATE}); "
-                              "use --init to start a new run from it instead of --resume")
+        hint = f"resume from the run directory {ckpt.parent}" if ckpt.name == BEST else \
+            "use --init to start a new run from it instead of --resume"
+        raise CheckpointError(f"{ckpt} holds a model but no training state ({STATE}); {hint}")
     try:
         return ckpt, json.loads((ckpt / STATE).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -61,6 +63,16 @@ def _record(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _best_record(run: Path) -> dict[str, Any] | None:
+    """The record ({"metric", "mode", "value", "step"}) of the model in RUN/best/, or None."""
+    if not (run / BEST / "config.json").is_file():
+        return None
+    try:
+        return read_config(run / BEST).get("meta", {}).get("best")
+    except CheckpointError:
+        return None
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -127,13 +139,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.plain = task.build_model()
         state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "warm_elapsed": None, "best_val_loss": None,
-                                 "tokens": 0}
+                                 "tokens": 0, "best": None}
         opt_saved = None
         if resume:
             ckpt, saved = read_trainer_state(resume)
             load_state(self.plain, read_safetensors(ckpt / "model.safetensors"), str(ckpt))
             opt_saved = (read_safetensors(ckpt / OPTIMIZER), saved["optimizer_groups"], str(ckpt / OPTIMIZER))
-            state.update({k: saved[k] for k in state})
+            state.update({k: saved.get(k, state[k]) for k in state})
+            # best/ on disk is what later evaluations must beat (it may come from after this checkpoint)
+            state["best"] = _best_record(self.run_dir) if cfg.keep_best else None
         self.plain.to(self.device)
         self.model = self._wrap(self.plain)
         self.opt, self.names = make_optimizer(self.model, cfg)
@@ -205,6 +219,8 @@ class Trainer:
         # Hidden leftovers of a run killed mid-save or mid-prune (never loaded): free their space.
         for leftover in (run / "checkpoints").glob(".step-*") if (run / "checkpoints").is_dir() else ():
             shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in run.glob(f".{BEST}.*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     # --- outputs -------------------------------------------------------------------------
     def _metrics(self, record: dict[str, Any] | None = None, keep_until: int | None = None) -> None:
@@ -236,15 +252,9 @@ class Trainer:
         from safetensors.torch import save as st_save
 
         tensors, groups = self._optimizer_state()
-        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.model.state_dict().items()} \
-            if self.cfg.fsdp else None
+        model = self._model_to_save()
         path = checkpoint_dir(self.run_dir, state["step"])
         if self.dist.main:
-            model = self.plain
-            if self.cfg.fsdp:  # a plain copy to save: the sharded module holds DTensors
-                model = self.task.build_model()
-                aliases = _aliases(model)
-                load_state(model, {k: v.cpu() for k, v in weights.items() if k not in aliases}, "FSDP state")
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
@@ -262,6 +272,38 @@ class Trainer:
             self._prune()
         self.dist.barrier()
         return path
+
+    def _model_to_save(self) -> nn.Module | None:
+        """The plain model to write (None on other processes). Under FSDP every process must call
+        this: it gathers the shards into a plain copy, as the sharded module holds DTensors."""
+        if not self.cfg.fsdp:
+            return self.plain if self.dist.main else None
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.model.state_dict().items()}
+        if not self.dist.main:
+            return None
+        model = self.task.build_model()
+        aliases = _aliases(model)
+        load_state(model, {k: v.cpu() for k, v in weights.items() if k not in aliases}, "FSDP state")
+        return model
+
+    def _keep_best(self, state: dict[str, Any], metrics: dict[str, float]) -> None:
+        """--keep-best: write the model to RUN/best/ when this evaluation beats every earlier one on
+        the task's `best_metric` (default: lowest val_loss). A tie keeps the earlier model."""
+        name, mode = getattr(self.task, "best_metric", ("val_loss", "min"))
+        value = metrics.get(name)
+        best = state["best"]
+        better = value is not None and math.isfinite(value) and (
+            best is None or (value > best["value"] if mode == "max" else value < best["value"]))
+        if self.dist.world > 1:  # every process must agree (FSDP gathers the weights on all of them)
+            better = bool(self.dist.max([float(better)], self.device)[0])
+        if not better:
+            return
+        state["best"] = {"metric": name, "mode": mode, "value": value, "step": state["step"]}
+        model = self._model_to_save()
+        if self.dist.main:
+            save(model, self.run_dir / BEST, tokenizer=self.task.tokenizer,
+                 meta={"task": self.task.name, **self.task.meta(), "step": state["step"], "best": state["best"]})
+        self.dist.barrier()
 
     def _optimizer_state(self):
         tensors, groups = optimizer_tensors(self.opt, self.names)
@@ -298,6 +340,8 @@ class Trainer:
         eval_model.train()
         if state["best_val_loss"] is None or metrics["val_loss"] < state["best_val_loss"]:
             state["best_val_loss"] = metrics["val_loss"]
+        if self.cfg.keep_best:
+            self._keep_best(state, metrics)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self._say(f"step {state['step']}: {shown}\n--- sample ---\n{sample}\n--------------")
         return metrics
@@ -414,7 +458,8 @@ class Trainer:
             self._say(f"stopped at step {state['step']}; checkpoint {path}; continue with "
                       f"`tformer train --resume {self.run_dir}`")
         return {"reason": reason, "step": state["step"], "best_val_loss": state["best_val_loss"],
-                "checkpoint": str(path), "run_dir": str(self.run_dir), "elapsed": state["elapsed"],
+                "checkpoint": str(path), "best": state["best"],
+                "best_checkpoint": str(self.run_dir / BEST) if state["best"] is not None else None, "run_dir": str(self.run_dir), "elapsed": state["elapsed"],
                 "tokens": state["tokens"], "records": self.records}
 
     # --- numeric health --------------------------------------------------------------------

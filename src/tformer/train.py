@@ -32,6 +32,9 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
             # "val_loss"; may add e.g. "val_accuracy", "val_bleu". Called on every process.
         def sample(self, model) -> str           # short, seeded demo output printed at each validation
         def meta(self) -> dict                   # JSON-able; stored in config.json ("task" is added)
+        best_metric = ("val_accuracy", "max")    # optional: what --keep-best maximises/minimises
+                                                 # (default ("val_loss", "min"))
+        keep_best = True                         # optional: --keep-best when the flag is not given
 
 Determinism: batches depend only on (seed, step), the dropout RNG is re-seeded from (seed, step,
 rank) before each step, and the schedule depends only on the step when `--max-steps` is given, so a
@@ -44,6 +47,9 @@ Run directory:
     RUN/loss.png                           train and validation loss (tformer.viz.plot_loss)
     RUN/checkpoints/step-0001000/          tformer.save() directory (config.json, model.safetensors,
                                            tokenizer.json) + optimizer.safetensors + trainer_state.json
+    RUN/best/                              with --keep-best: the model of the evaluation with the best
+                                           `best_metric` (its record in config.json meta["best"]);
+                                           tformer.load(RUN) takes it, --resume RUN the newest step-*
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 1000
     keep: int = 3                  # checkpoints kept (older ones are deleted)
+    keep_best: bool = False        # also keep the best-validating model in RUN/best/ (what load(RUN) then takes)
     log_every: int = 10
     seed: int = 0
     device: str = "auto"

@@ -16,6 +16,7 @@ from tformer.cli.args import (nonneg_float, nonneg_int, positive_float, positive
                                unit_open_closed)
 
 DEFAULTS = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
+MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
 
 
 def register(sub) -> None:
@@ -69,6 +70,9 @@ def run(args) -> int:
                            f"(use a Decoder or EncoderDecoder checkpoint)")
     tokenizer = load_tokenizer(args.model)
     max_new = DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens
+    if max_new > MAX_NEW_TOKENS:
+        raise TformerError(f"--max-new-tokens {max_new} is more than {MAX_NEW_TOKENS:,} (ask for less; for more "
+                           f"text, run generate again on the end of its output)")
     if isinstance(model, EncoderDecoder) or args.num_beams > 1:
         # No sliding window here: the target (or every beam) must fit the context.
         used = 1 if isinstance(model, EncoderDecoder) else max(len(tokenizer.encode(prompt)), 1)

@@ -96,6 +96,10 @@ def register(sub) -> None:
     a("--eval-every", type=positive_int, default=250, help="validate (and print a sample) every N steps")
     a("--save-every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
     a("--keep", type=positive_int, default=3, help="checkpoints to keep (default 3)")
+    a("--keep-best", action=argparse.BooleanOptionalAction, default=None,
+      help="also save the model of the best validation so far as RUN/best/, which `tformer.load(RUN)`, classify "
+           "and eval then use (--resume still continues from the newest checkpoint); best = highest accuracy "
+           "for classify, lowest val_loss otherwise (default: on for classify, off for the other tasks)")
     a("--log-every", type=positive_int, default=10, help="write train loss to metrics.jsonl every N steps")
     a("--seed", type=nonneg_int, default=0, help="random seed (data order, init, dropout)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: cuda if available")
@@ -170,6 +174,7 @@ def prepare(args):
                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
                       grad_clip=args.grad_clip, precision=args.precision, eval_every=args.eval_every,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
+                      keep_best=args.keep_best if args.keep_best is not None else getattr(cls, "keep_best", False),
                       device=args.device, fsdp=args.fsdp, compile=args.compile, stop_at=args.stop_at,
                       progress=args.progress, skip_nonfinite=getattr(args, "skip_nonfinite", 0))
     cfg.check()
@@ -195,9 +200,13 @@ def run(args) -> int:
     print(f"{result['reason']}: step {result['step']}, {result['elapsed']:.0f} s"
           + (f", best val_loss {best:.4f}" if best is not None else ""))
     print(f"checkpoint: {result['checkpoint']}")
+    if result.get("best") is not None:
+        b = result["best"]
+        print(f"best:       {result['best_checkpoint']} (step {b['step']}, {b['metric']} {b['value']:.4f}; "
+              "what load/eval/classify use)")
     print(f"metrics:    {result['run_dir']}/metrics.jsonl   plot: {result['run_dir']}/loss.png")
     report = getattr(task, "report", None)  # a task's final held-out summary (classify: confusion matrix)
     if report is not None and result["reason"] != "interrupted":
         from tformer.checkpoint import load
-        print(report(load(result["checkpoint"]), result["run_dir"]))
+        print(report(load(result["best_checkpoint"] or result["checkpoint"]), result["run_dir"]))
     return 130 if result["reason"] == "interrupted" else 0

@@ -39,7 +39,7 @@ def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop:
     device = next(model.parameters()).device
     stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
     max_new, context = kwargs.pop("max_new_tokens", 20), model.cfg.max_seq_len
-    if sliding_window and not hasattr(model, "encode") and len(ids) + max_new > context:
+    if sliding_window and not hasattr(model, "encode") and len(ids) < context < len(ids) + max_new:
         first = min(max_new, context - len(ids))
         steps = _windowed(model, ids, first, max_new, context, dict(stop_strings=stop_strings, tokenizer=tokenizer,
                                                                     **kwargs))

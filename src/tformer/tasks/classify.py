@@ -106,6 +106,9 @@ class ClassifyTask:
     name = "classify"
     default_data = "rotten-tomatoes"
     default_preset = None  # DEFAULT_MODEL
+    # Small data sets overfit within minutes: keep the model of the best held-out accuracy (RUN/best/).
+    keep_best = True
+    best_metric = ("val_accuracy", "max")
 
     @classmethod
     def add_arguments(cls, parser) -> None:
