@@ -121,3 +121,43 @@ def test_mean_pooling_is_the_masked_mean_and_survives_save(tmp_path):
     again = tformer.load(tmp_path / "m").eval()
     assert again.pooling == "mean"
     torch.testing.assert_close(again(ids, mask), model(ids, mask))
+
+
+def test_keep_best_is_the_default_and_eval_rescores_the_best_model(tmp_path, capsys):
+    """Classification keeps the model of the highest held-out accuracy in RUN/best/; `tformer eval`
+    (which loads RUN) recomputes that accuracy from the saved weights."""
+    data = tmp_path / "easy.csv"
+    write_csv(data, easy_rows(300, seed=1))
+    run = tmp_path / "run"
+    assert main(["train", "--task", "classify", "--data", str(data), "--preset", "tiny", "--vocab-size", "300",
+                 "--max-steps", "30", "--batch-size", "16", "--lr", "3e-3", "--warmup", "5", "--eval-every", "3",
+                 "--out", str(run), "--no-progress", "--seed", "0"]) == 0
+    capsys.readouterr()
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    accs = [(r["val_accuracy"], -r["step"]) for r in records if "val_accuracy" in r]
+    assert len(accs) == 10
+    best = json.loads((run / "best" / "config.json").read_text())["meta"]["best"]
+    top = max(accs)
+    assert best["metric"] == "val_accuracy" and (best["value"], -best["step"]) == top  # the first of ties
+    assert main(["eval", "--model", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == pytest.approx(best["value"])
+
+
+def test_wordpiece_tokenizer_is_uncased_and_a_file_is_used_as_is(tmp_path, capsys):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tformer.tokenizers import make_tokenizer
+
+    texts = [t for t, _ in easy_rows(200)] + ["A great, GREAT film!"]
+    wp = make_tokenizer("wordpiece", texts, 200)
+    assert (wp.pad_id, wp.bos_id, wp.eos_id) == (0, 1, 2) and wp.kind == "wordpiece"
+    assert wp.encode("Great FILM") == wp.encode("great film") and wp.encode("film,") == wp.encode("film ,")
+    wp.save(tmp_path / "tokenizer.json")
+    reference = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for choice in (str(tmp_path / "tokenizer.json"), str(tmp_path)):
+        again = make_tokenizer(choice, [], 0)
+        assert again.encode("A superb film!") == reference.encode("A superb film!", add_special_tokens=False).ids
+    assert main(["train", "--task", "classify", "--tokenizer", str(tmp_path / "nope.json"), "--max-steps", "1",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.json" in err and "tokenizer.json" in err and not (tmp_path / "run").exists()

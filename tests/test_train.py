@@ -101,6 +101,32 @@ def test_checkpoints_are_complete_and_pruned(data, tmp_path):
     assert {"step", "train_loss", "lr", "tokens_per_s", "elapsed"} <= set(records[-1])
 
 
+def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tmp_path):
+    """--keep-best: RUN/best/ holds the model of the evaluation with the lowest val_loss (the first
+    of ties); load(RUN) takes it, while --resume continues from the newest step checkpoint."""
+    from tformer.loop import read_trainer_state
+
+    run = tmp_path / "r"
+    flags = ["--data", data, *SMALL, "--max-steps", "8", "--lr", "3e-2", "--eval-every", "1", "--keep-best"]
+    result = train([*flags, "--out", str(run), "--stop-at", "5"])
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    vals = [(r["val_loss"], r["step"]) for r in records if "val_loss" in r]
+    best = json.loads((run / "best" / "config.json").read_text())["meta"]["best"]
+    assert best["metric"] == "val_loss" and (best["value"], best["step"]) == min(vals)
+    assert result["best"] == best
+    assert all(torch.equal(a, b) for a, b in zip(weights(str(run)).values(), weights(str(run / "best")).values()))
+    ckpt, state = read_trainer_state(run)
+    assert ckpt.name == "step-0000005" and state["step"] == 5
+    resumed = train(["--resume", str(run)])
+    assert resumed["step"] == 8
+    vals = [(r["val_loss"], r["step"]) for r in map(json.loads, open(run / "metrics.jsonl")) if "val_loss" in r]
+    assert [s for _, s in vals] == list(range(1, 9))
+    assert (resumed["best"]["value"], resumed["best"]["step"]) == min(vals)
+    assert json.loads((run / "best" / "config.json").read_text())["meta"]["best"] == resumed["best"]
+    plain = train(["--data", data, *SMALL, "--max-steps", "2", "--out", str(tmp_path / "plain")])
+    assert plain["best"] is None and not (tmp_path / "plain" / "best").exists()  # off by default for lm
+
+
 def _spawn(argv):
     return subprocess.Popen([sys.executable, "-m", "tformer", "train", *argv], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -27,6 +27,7 @@ from .train import (Task, TrainConfig, autocast, load_optimizer_tensors, lr_at, 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.safetensors"
 RNG = "rng.safetensors"
+EMA = "ema.safetensors"
 STEP_DIR = re.compile(r"step-\d{7}")
 
 
@@ -149,6 +150,11 @@ class Trainer:
             # best/ on disk is what later evaluations must beat (it may come from after this checkpoint)
             state["best"] = _best_record(self.run_dir) if cfg.keep_best else None
         self.plain.to(self.device)
+        self.ema = None  # --ema: {name: running average} of the parameters
+        if cfg.ema:
+            self.ema = {n: p.detach().clone() for n, p in self.plain.named_parameters()}
+            if resume and (ckpt / EMA).is_file():
+                self.ema = {n: t.to(self.device) for n, t in read_safetensors(ckpt / EMA).items()}
         self.model = self._wrap(self.plain)
         self.opt, self.names = make_optimizer(self.model, cfg)
         if opt_saved is not None:
@@ -267,6 +273,8 @@ class Trainer:
                              "data_position": {"seed": self.cfg.seed, "next_step": state["step"]}}
             extra = {OPTIMIZER: st_save(tensors), RNG: st_save(rng),
                      STATE: json.dumps(trainer_state, indent=2).encode()}
+            if self.ema is not None:
+                extra[EMA] = st_save({n: t.detach().cpu().contiguous() for n, t in self.ema.items()})
             save(model, path, tokenizer=self.task.tokenizer, meta={"task": self.task.name, **self.task.meta(),
                                                                    "step": state["step"]}, extra_files=extra)
             self._prune()
@@ -328,7 +336,32 @@ class Trainer:
             tqdm.write(text, file=sys.stderr)
 
     # --- the loop ------------------------------------------------------------------------
+    def _update_ema(self, step: int) -> None:
+        """ema <- d * ema + (1 - d) * weights, with d growing to --ema over the first steps
+        (d = (1 + step) / (10 + step) until then), so the average soon forgets the random start."""
+        decay = min(self.cfg.ema, (1 + step) / (10 + step))
+        params = dict(self.plain.named_parameters())
+        names = list(self.ema)
+        torch._foreach_lerp_([self.ema[n] for n in names], [params[n].detach() for n in names], 1.0 - decay)
+
+    def _swap_ema(self) -> None:
+        """Exchange the live weights and their moving average (twice = back as before)."""
+        with torch.no_grad():
+            for name, p in self.plain.named_parameters():
+                live = p.detach().clone()
+                p.copy_(self.ema[name])
+                self.ema[name] = live
+
     def _evaluate(self, state: dict[str, Any]) -> dict[str, float]:
+        if self.ema is None:
+            return self._evaluate_now(state)
+        self._swap_ema()  # score (and keep as best) the averaged weights
+        try:
+            return self._evaluate_now(state)
+        finally:
+            self._swap_ema()
+
+    def _evaluate_now(self, state: dict[str, Any]) -> dict[str, float]:
         eval_model = self.model if self.cfg.fsdp else self.plain
         eval_model.eval()
         with torch.no_grad():
@@ -411,6 +444,8 @@ class Trainer:
                     loss_sum += loss.item()
                 if self._healthy(loss_sum, self._grad_norm(), step + 1):
                     self.opt.step()
+                    if self.ema is not None:
+                        self._update_ema(step)
                     losses.append(loss_sum)
                 self.opt.zero_grad(set_to_none=True)
                 train_time += time.perf_counter() - t_step

@@ -6,6 +6,9 @@ Two kinds are trained from data, both with the HF `tokenizers` library:
         one-character regex, joined back by a Fuse decoder). Round-trips any text written in the
         training alphabet exactly; other characters become `<unk>`.
   bpe   byte-level BPE (GPT-2 style): text -> UTF-8 bytes -> learned merges. Round-trips any text.
+  wordpiece  BERT-style, uncased: lower-cased, accents stripped, split at spaces and punctuation,
+        words cut into learned pieces (##suffixes). Does not round-trip (case is lost), but for
+        classifying short texts it shares more statistics between "Great"/"great" and "film,"/"film".
 
 Any other `tokenizer.json` (e.g. a BERT WordPiece one) loads with `Tokenizer.from_file`.
 Special tokens: `<pad>`, `<bos>`, `<eos>` (ids 0, 1, 2) in both trained kinds; in a char tokenizer
@@ -85,6 +88,23 @@ class Tokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         hf.train_from_iterator(_chunks(texts), trainer)
         return cls(hf, "bpe")
+
+    @classmethod
+    def train_wordpiece(cls, texts: Iterable[str] | str, vocab_size: int, lowercase: bool = True) -> "Tokenizer":
+        """BERT-style WordPiece with `vocab_size` entries (special tokens and <unk> included)."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+        if vocab_size < 2 * len(SPECIALS):
+            raise DataError(f"--vocab-size {vocab_size} is too small for WordPiece")
+        texts = [texts] if isinstance(texts, str) else texts
+        hf = HFTokenizer(models.WordPiece(unk_token=UNK))
+        hf.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+        hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        hf.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=[*SPECIALS, UNK], show_progress=False)
+        hf.train_from_iterator(_chunks(texts), trainer)
+        return cls(hf, "wordpiece")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -184,6 +204,19 @@ def _guess_kind(hf) -> str:
     if model.get("type") == "BPE":
         return "bpe"
     return str(model.get("type", "file")).lower()
+
+
+def make_tokenizer(choice: str, texts: list[str], vocab_size: int) -> Tokenizer:
+    """`tformer train --tokenizer CHOICE`: "char", "bpe" or "wordpiece" trained on `texts`, or a
+    tokenizer.json file (or a directory holding one, e.g. a Hugging Face model) used as it is."""
+    if choice == "char":
+        return Tokenizer.char("".join(texts))
+    if choice == "bpe":
+        return Tokenizer.train_bpe(texts, vocab_size)
+    if choice == "wordpiece":
+        return Tokenizer.train_wordpiece(texts, vocab_size)
+    path = Path(choice)
+    return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -114,6 +114,7 @@ class TrainConfig:
     save_every: int = 1000
     keep: int = 3                  # checkpoints kept (older ones are deleted)
     keep_best: bool = False        # also keep the best-validating model in RUN/best/ (what load(RUN) then takes)
+    ema: float = 0.0               # > 0: validate (and keep as best) a moving average of the weights, this decay
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
@@ -130,6 +131,10 @@ class TrainConfig:
             raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ConfigError(f"--ema {self.ema} must be in [0, 1) (0 = off; e.g. 0.99)")
+        if self.ema and self.fsdp:
+            raise ConfigError("--ema does not work with --fsdp (the average would need sharding too)")
         if self.skip_nonfinite < 0:
             raise ConfigError(f"--skip-nonfinite {self.skip_nonfinite} must be >= 0")
 

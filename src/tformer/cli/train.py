@@ -50,6 +50,18 @@ def fraction(text: str) -> float:
     return value
 
 
+def tokenizer_choice(text: str) -> str:
+    from pathlib import Path
+
+    if text in ("char", "bpe", "wordpiece"):
+        return text
+    path = Path(text)
+    if path.is_file() or (path / "tokenizer.json").is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe nor wordpiece, nor a tokenizer.json file "
+                                     "(or a directory with one)")
+
+
 def dropout(text: str) -> float:
     value = nonneg_float(text)
     if value >= 1.0:
@@ -67,8 +79,12 @@ def register(sub) -> None:
     a("--data", default=None, help="built-in corpus name (lm: hamlet) or a file (.txt; .csv/.tsv/.jsonl for "
       "classify/translate); default: the task's built-in data")
     a("--preset", default=None, help="model shape from tformer.PRESETS (default for lm: small)")
-    a("--tokenizer", default="char", choices=("char", "bpe"), help="character-level, or byte-level BPE trained on the data")
-    a("--vocab-size", type=positive_int, default=2000, help="BPE vocabulary size (default 2000)")
+    a("--tokenizer", type=tokenizer_choice, default=None, metavar="{char,bpe,wordpiece,FILE}",
+      help="char: one token per character; bpe: byte-level BPE trained on the data; wordpiece: BERT-style uncased "
+           "WordPiece trained on the data; or a tokenizer.json (or a directory with one) used as it is "
+           "(default: char for lm, wordpiece for classify)")
+    a("--vocab-size", type=positive_int, default=None,
+      help="vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000)")
     a("--context", type=positive_int, default=None, help="tokens per training window (default: the preset's max_seq_len)")
     a("--dropout", type=dropout, default=None, help="dropout probability (default: the preset's)")
     a("--errors", default="strict", choices=("strict", "replace"),
@@ -96,6 +112,10 @@ def register(sub) -> None:
     a("--eval-every", type=positive_int, default=250, help="validate (and print a sample) every N steps")
     a("--save-every", type=positive_int, default=1000, help="checkpoint every N steps (and at the end)")
     a("--keep", type=positive_int, default=3, help="checkpoints to keep (default 3)")
+    a("--ema", type=nonneg_float, default=None, metavar="DECAY",
+      help="validate an exponential moving average of the weights (e.g. 0.99: about the last 100 steps) "
+           "instead of the weights themselves; with --keep-best that average is what best/ keeps; it smooths "
+           "the noise of small-batch steps (default: the task's; 0 = off)")
     a("--keep-best", action=argparse.BooleanOptionalAction, default=None,
       help="also save the model of the best validation so far as RUN/best/, which `tformer.load(RUN)`, classify "
            "and eval then use (--resume still continues from the newest checkpoint); best = highest accuracy "
@@ -169,11 +189,16 @@ def prepare(args):
         args.preset = getattr(cls, "default_preset", "small")
     if args.data is None:
         args.data = getattr(cls, "default_data", "hamlet")
+    if args.tokenizer is None:
+        args.tokenizer = getattr(cls, "default_tokenizer", "char")
+    if args.vocab_size is None:
+        args.vocab_size = getattr(cls, "default_vocab_size", 2000)
     cfg = TrainConfig(out=args.out, max_steps=args.max_steps, time_budget=args.time_budget,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
                       grad_clip=args.grad_clip, precision=args.precision, eval_every=args.eval_every,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
+                      ema=args.ema if args.ema is not None else getattr(cls, "ema", 0.0),
                       keep_best=args.keep_best if args.keep_best is not None else getattr(cls, "keep_best", False),
                       device=args.device, fsdp=args.fsdp, compile=args.compile, stop_at=args.stop_at,
                       progress=args.progress, skip_nonfinite=getattr(args, "skip_nonfinite", 0))

@@ -19,6 +19,7 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderClassifier
+from ..tokenizers import make_tokenizer
 from .common import arg, length_batches, length_grouped_rows, load_pretrained_encoder, model_config, pad, warn
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the HF
@@ -109,6 +110,8 @@ class ClassifyTask:
     # Small data sets overfit within minutes: keep the model of the best held-out accuracy (RUN/best/).
     keep_best = True
     best_metric = ("val_accuracy", "max")
+    default_tokenizer = "wordpiece"  # uncased words: 11k sentences are too few to learn "Great" = "great"
+    default_vocab_size = DEFAULT_VOCAB
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -153,7 +156,8 @@ class ClassifyTask:
         if init is not None and tokenizer is None:
             self.pretrained, tokenizer = load_pretrained_encoder(init)
         if tokenizer is None:
-            tokenizer = _train_tokenizer([data.texts[i] for i in train_idx], arg(args, "vocab_size", DEFAULT_VOCAB))
+            tokenizer = make_tokenizer(arg(args, "tokenizer", "wordpiece"), [data.texts[i] for i in train_idx],
+                                       arg(args, "vocab_size", DEFAULT_VOCAB))
         self.tokenizer = tokenizer
         if tokenizer.pad_id is None:
             raise DataError("the tokenizer has no padding token (<pad> or [PAD]); classification pads batches")
@@ -245,12 +249,6 @@ def _mean_pooled(init: str) -> bool:
         return bool(json.loads(path.read_text()).get("pooling_mode_mean_tokens"))
     except (OSError, ValueError):
         return False
-
-
-def _train_tokenizer(texts: list[str], vocab_size: int):
-    from ..tokenizers import Tokenizer
-
-    return Tokenizer.train_bpe(texts, vocab_size)
 
 
 def _short(text: str, n: int = 40) -> str:

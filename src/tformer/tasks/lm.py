@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from ..config import PRESETS, preset
 from ..data import lm_batch, lm_windows, read_text, split_text
 from ..errors import ConfigError, DataError
-from ..tokenizers import Tokenizer
+from ..tokenizers import Tokenizer, make_tokenizer
 
 SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
@@ -41,8 +41,7 @@ class LMTask:
             from ..tokenizers import load_tokenizer
             tokenizer = load_tokenizer(init)
         if tokenizer is None:
-            tokenizer = (Tokenizer.char(self.train_text) if args.tokenizer == "char"
-                         else Tokenizer.train_bpe(self.train_text, args.vocab_size))
+            tokenizer = make_tokenizer(args.tokenizer, [self.train_text], args.vocab_size)
         self.tokenizer = tokenizer
         self.cfg = self._config()
         self.context = args.context or self.cfg.max_seq_len
