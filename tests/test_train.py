@@ -127,6 +127,25 @@ def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tm
     assert plain["best"] is None and not (tmp_path / "plain" / "best").exists()  # off by default for lm
 
 
+def test_ema_is_the_running_average_and_best_keeps_it(data, tmp_path):
+    """--ema D: after step s the average is d*avg + (1-d)*weights with d = min(D, (1+s)/(10+s));
+    evaluation (and best/) use the average, the step checkpoints the live weights."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "r"
+    train(["--data", data, *SMALL, "--max-steps", "3", "--lr", "1e-2", "--ema", "0.2", "--keep-best",
+           "--eval-every", "3", "--save-every", "1", "--keep", "5", "--out", str(run)])
+    step = {s: run / "checkpoints" / f"step-{s:07d}" for s in (2, 3)}
+    ema2, ema3 = (load_file(str(step[s] / "ema.safetensors")) for s in (2, 3))
+    live3 = weights(str(step[3]))
+    best = weights(str(run / "best"))
+    d = min(0.2, (1 + 2) / (10 + 2))  # the update after the third optimizer step (step index 2)
+    for name, avg in ema3.items():
+        torch.testing.assert_close(avg, d * ema2[name] + (1 - d) * live3[name])
+        torch.testing.assert_close(best[name], avg)
+    assert any(not torch.equal(best[n], live3[n]) for n in ema3)
+
+
 def _spawn(argv):
     return subprocess.Popen([sys.executable, "-m", "tformer", "train", *argv], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -115,7 +115,8 @@ def register(sub) -> None:
     a("--ema", type=nonneg_float, default=None, metavar="DECAY",
       help="validate an exponential moving average of the weights (e.g. 0.99: about the last 100 steps) "
            "instead of the weights themselves; with --keep-best that average is what best/ keeps; it smooths "
-           "the noise of small-batch steps (default: the task's; 0 = off)")
+           "the noise of small-batch steps; step checkpoints keep the live weights (and the average in "
+           "ema.safetensors) (default: 0 = off)")
     a("--keep-best", action=argparse.BooleanOptionalAction, default=None,
       help="also save the model of the best validation so far as RUN/best/, which `tformer.load(RUN)`, classify "
            "and eval then use (--resume still continues from the newest checkpoint); best = highest accuracy "
