@@ -13,7 +13,6 @@ means tformer is faster. Absolute numbers drift with the machine's load; ratios 
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Callable
 

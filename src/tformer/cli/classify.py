@@ -42,7 +42,7 @@ def read_inputs(texts: list[str], what: str = "text") -> list[str]:
         if not t.strip():
             raise DataError(f"{where} {i} is empty (every input {what} must have some text)")
     if not texts:
-        raise DataError(f"no input: stdin was empty")
+        raise DataError("no input: stdin was empty")
     return texts
 
 

@@ -9,45 +9,18 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
 from tformer.cli import COMMANDS
+from tformer.cli.args import dropout, fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from tformer.errors import ConfigError
 
 # Flags that may change when a run is resumed; everything else comes from the saved run.
 RESUMABLE = ("max_steps", "time_budget", "save_every", "eval_every", "log_every", "keep", "stop_at", "progress",
              "device", "skip_nonfinite")
 ONCE = ("stop_at", "progress", "device")  # apply to one invocation only, never inherited by --resume
-
-
-def _number(kind, low: float, inclusive: bool = True, what: str = "number"):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {what}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
-        if value < low or (not inclusive and value == low):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'>=' if inclusive else '>'} {low:g}")
-        return value
-    return parse
-
-
-positive_int = _number(int, 1, what="positive integer")
-nonneg_int = _number(int, 0, what="non-negative integer")
-positive_float = _number(float, 0.0, inclusive=False)
-nonneg_float = _number(float, 0.0)
-
-
-def fraction(text: str) -> float:
-    value = _number(float, 0.0, inclusive=False)(text)
-    if value >= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be below 1")
-    return value
 
 
 def tokenizer_choice(text: str) -> str:
@@ -60,13 +33,6 @@ def tokenizer_choice(text: str) -> str:
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe nor wordpiece, nor a tokenizer.json file "
                                      "(or a directory with one)")
-
-
-def dropout(text: str) -> float:
-    value = nonneg_float(text)
-    if value >= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
-    return value
 
 
 def register(sub) -> None:
