@@ -20,7 +20,9 @@ def register(sub) -> None:
     p = sub.add_parser("classify", help=COMMANDS["classify"], description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to label (default: one per line on stdin)")
-    p.add_argument("--model", required=True, metavar="DIR", help="a classifier checkpoint or run directory")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a classifier checkpoint or run directory (of a run: its best/ model when it has one, "
+                        "else the newest checkpoint)")
     p.add_argument("--all", action="store_true", help="print every label's probability, not just the best")
     p.add_argument("--batch-size", type=positive_int, default=64, help="texts per forward pass (default 64)")
     p.set_defaults(func=run)

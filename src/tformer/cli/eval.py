@@ -22,7 +22,9 @@ from tformer.cli.args import positive_int
 def register(sub) -> None:
     p = sub.add_parser("eval", help=COMMANDS["eval"], description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint or run directory")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint or run directory (of a run: its best/ model when it has one, "
+                        "else the newest checkpoint)")
     p.add_argument("--data", default=None, help="data to score (default: the run's held-out split)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys val_loss, perplexity, accuracy, "
                    "macro_f1, bleu, chrf, exact_match: those that apply)")
