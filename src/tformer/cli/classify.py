@@ -1,7 +1,7 @@
 """`tformer classify`: label texts with a trained classifier.
 
-    tformer classify --model runs/classify-XXXX "A gorgeous, witty film." "Dull and overlong."
-    cat reviews.txt | tformer classify --model runs/classify-XXXX
+    tformer classify --model runs/sentiment "A gorgeous, witty film." "Dull and overlong."
+    cat reviews.txt | tformer classify --model runs/sentiment
 
 One output line per input, in order: the label (as named in the training data) and its probability,
 separated by a tab. Texts longer than the model's context are cut, with a warning on stderr.

@@ -1,8 +1,8 @@
 """`tformer eval`: score a checkpoint on held-out data.
 
-    tformer eval --model runs/lm-XXXX                 # the run's own validation text: loss, perplexity
-    tformer eval --model runs/classify-XXXX --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
-    tformer eval --model runs/translate-XXXX --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
+    tformer eval --model runs/hamlet                 # the run's own validation text: loss, perplexity
+    tformer eval --model runs/sentiment --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
+    tformer eval --model runs/numbers --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
 
 Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
 fraction, seed), so the scores are on data the model never trained on. With --data: a text file

@@ -1,7 +1,7 @@
 """`tformer translate`: translate lines with a trained encoder-decoder.
 
-    tformer translate --model runs/translate-XXXX "quatre-vingt-dix-sept"
-    tformer translate --model runs/translate-XXXX --num-beams 4 < sentences.txt
+    tformer translate --model runs/numbers "quatre-vingt-dix-sept"
+    tformer translate --model runs/numbers --num-beams 4 < sentences.txt
 
 One output line per input, in order.
 """
