@@ -210,6 +210,16 @@ def build(data: dict[str, Any]) -> nn.Module:
     return cls(cfg)
 
 
+def key_mismatch(missing: list[str], unexpected: list[str], noun: str = "") -> str:
+    """'missing a, b; unexpected c' (at most five names each), for strict-loading errors."""
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+
+    parts = [f"missing {noun}{names(missing)}"] if missing else []
+    parts += [f"unexpected {noun}{names(unexpected)}"] if unexpected else []
+    return "; ".join(parts)
+
+
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict loading: every expected tensor present with the right shape, nothing unexpected."""
     aliases = _aliases(model)
@@ -217,12 +227,7 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) ->
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
-        raise CheckpointError(f"{source}: weights do not match the architecture: {'; '.join(parts)}")
+        raise CheckpointError(f"{source}: weights do not match the architecture: {key_mismatch(missing, unexpected)}")
     for k, v in expected.items():
         if tuple(state[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{source}: tensor {k} has shape {tuple(state[k].shape)}, "

@@ -48,26 +48,34 @@ def read_inputs(texts: list[str], what: str = "text") -> list[str]:
     return texts
 
 
+def load_task_model(path: str, cls: type, what: str, task: str):
+    """(model, tokenizer, max_len, meta) of a checkpoint that must hold a `cls` (`what` in messages)."""
+    from tformer.checkpoint import load, read_config
+    from tformer.errors import CheckpointError
+    from tformer.tokenizers import load_tokenizer
+
+    model = load(path)
+    if not isinstance(model, cls):
+        raise CheckpointError(f"{path} holds a {type(model).__name__}, not {what} "
+                              f"(train one with `tformer train --task {task}`)")
+    tokenizer = load_tokenizer(path)
+    meta = read_config(path).get("meta", {})
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    return model, tokenizer, max_len, meta
+
+
 def run(args) -> int:
     import torch
 
-    from tformer.checkpoint import load, read_config
-    from tformer.errors import CheckpointError, ConfigError
+    from tformer.errors import ConfigError
     from tformer.models import EncoderClassifier
     from tformer.tasks.classify import encode_texts, predict_proba
     from tformer.tasks.common import warn
-    from tformer.tokenizers import load_tokenizer
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be at least 1")
     texts = read_inputs(args.texts)
-    model = load(args.model)
-    if not isinstance(model, EncoderClassifier):
-        raise CheckpointError(f"{args.model} holds a {type(model).__name__}, not a classifier "
-                              "(train one with `tformer train --task classify`)")
-    tokenizer = load_tokenizer(args.model)
-    meta = read_config(args.model).get("meta", {})
-    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    model, tokenizer, max_len, meta = load_task_model(args.model, EncoderClassifier, "a classifier", "classify")
     labels = model.labels or meta.get("labels") or [str(i) for i in range(model.num_labels)]
     _, cut = encode_texts(tokenizer, texts, max_len)
     if cut:

@@ -25,24 +25,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import load, read_config
-    from tformer.cli.classify import read_inputs
-    from tformer.errors import CheckpointError, ConfigError
+    from tformer.cli.classify import load_task_model, read_inputs
+    from tformer.errors import ConfigError
     from tformer.models import EncoderDecoder
     from tformer.tasks.common import warn
     from tformer.tasks.translate import encode_pairs, translate
-    from tformer.tokenizers import load_tokenizer
 
     if args.num_beams < 1 or args.batch_size < 1:
         raise ConfigError("--num-beams and --batch-size must be at least 1")
     texts = read_inputs(args.texts, "sentence")
-    model = load(args.model)
-    if not isinstance(model, EncoderDecoder):
-        raise CheckpointError(f"{args.model} holds a {type(model).__name__}, not an encoder-decoder "
-                              "(train one with `tformer train --task translate`)")
-    tokenizer = load_tokenizer(args.model)
-    meta = read_config(args.model).get("meta", {})
-    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    model, tokenizer, max_len, _ = load_task_model(args.model, EncoderDecoder, "an encoder-decoder", "translate")
     src, _ = encode_pairs(tokenizer, texts, None, max_len + 1)
     cut = sum(len(s) > max_len for s in src)
     if cut:

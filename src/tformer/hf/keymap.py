@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..checkpoint import key_mismatch
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 
@@ -83,12 +84,8 @@ def check_hf_state(hf_state: dict[str, Tensor], expected: dict[str, tuple[int, .
     missing = sorted(k for k in expected if k not in hf_state)
     unexpected = sorted(k for k in hf_state if k not in expected and ignored(k, ignore) is None)
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected tensor(s) {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
-        raise CheckpointError(f"{source}: weights do not match config.json: {'; '.join(parts)} "
+        raise CheckpointError(f"{source}: weights do not match config.json: "
+                              f"{key_mismatch(missing, unexpected, 'tensor(s) ')} "
                               f"(is the checkpoint complete and its config.json the right one?)")
     for k, shape in expected.items():
         if k in hf_state and tuple(hf_state[k].shape) != tuple(shape):
