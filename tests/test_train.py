@@ -104,7 +104,7 @@ def test_checkpoints_are_complete_and_pruned(data, tmp_path):
 def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tmp_path):
     """--keep-best: RUN/best/ holds the model of the evaluation with the lowest val_loss (the first
     of ties); load(RUN) takes it, while --resume continues from the newest step checkpoint."""
-    from tformer.loop import read_trainer_state
+    from tformer.runs import read_trainer_state
 
     run = tmp_path / "r"
     flags = ["--data", data, *SMALL, "--max-steps", "8", "--lr", "3e-2", "--eval-every", "1", "--keep-best"]

@@ -128,7 +128,7 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
     """The effective arguments: on --resume, the saved run's, updated with the flags given now."""
     if not args.resume:
         return args, None
-    from tformer.loop import read_trainer_state, run_dir_of
+    from tformer.runs import read_trainer_state, run_dir_of
 
     ckpt, state = read_trainer_state(args.resume)
     given = explicit_args(args, args._parser) - {"resume", "out"}
