@@ -20,6 +20,13 @@ def test_json_round_trip_keeps_every_field():
     assert (cfg.head_dim, cfg.kv_heads, cfg.ffn_dim, cfg.decoder_layers) == (8, 2, 100, 1)
 
 
+def test_attention_dropout_follows_dropout_unless_set():
+    assert ModelConfig(dropout=0.2).attention_dropout == 0.2
+    assert ModelConfig(dropout=0.2, attn_dropout=0.0).attention_dropout == 0.0
+    cfg = ModelConfig(dropout=0.1, attn_dropout=0.05, ffn_dropout=0.3)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
 @pytest.mark.parametrize("fields,named", [
     (dict(d_model=30, n_heads=4), "d_model"),
     (dict(activation="tanh"), "activation"),
@@ -31,6 +38,8 @@ def test_json_round_trip_keeps_every_field():
     (dict(d_model=24, n_heads=8, positional="rope"), "rope"),
     (dict(dropout=1.0), "dropout"),
     (dict(dropout="high"), "dropout"),
+    (dict(attn_dropout=-0.1), "attn_dropout"),
+    (dict(ffn_dropout=1.5), "ffn_dropout"),
     (dict(vocab_size=0), "vocab_size"),
     (dict(n_layers=2.5), "n_layers"),
     (dict(n_decoder_layers=2), "n_decoder_layers"),

@@ -28,7 +28,9 @@ class ModelConfig:
     n_kv_heads: int | None = None      # grouped-query attention: K/V heads shared by groups of Q heads (None = n_heads)
     d_ff: int | None = None            # hidden width of the per-token FFN (None = 4 * d_model)
     max_seq_len: int = 256             # longest sequence: sizes learned position tables and the KV cache
-    dropout: float = 0.0               # on embeddings, attention weights, sublayer outputs and the classifier head
+    dropout: float = 0.0               # on embeddings, sublayer outputs and the classifier head
+    attn_dropout: float | None = None  # on attention weights (None = dropout); 0 lets training use the fused kernel
+    ffn_dropout: float = 0.0           # inside the FFN, after the activation (HF's activation_dropout)
     norm_position: str = "pre"         # "post" = 2017 Add & Norm after the residual; "pre" = modern, trains deeper
     positional: str = "learned"        # how order enters: "sinusoidal" (2017), "learned" (GPT-2/BERT), "rope" (Llama)
     activation: str = "gelu"           # FFN non-linearity; "swiglu" is the gated form Llama uses
@@ -55,6 +57,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def attention_dropout(self) -> float:
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
 
     @property
     def kv_heads(self) -> int:
@@ -101,8 +107,10 @@ class ModelConfig:
             raise ConfigError(f"positional='rope' needs an even head size, got d_model/n_heads={self.head_dim}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
-        if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout!r} must be a number in [0, 1)")
+        for name in ("dropout", "attn_dropout", "ffn_dropout"):
+            value = getattr(self, name)
+            if not (name == "attn_dropout" and value is None) and (not is_number(value) or not 0.0 <= value < 1.0):
+                raise ConfigError(f"{name}={value!r} must be a number in [0, 1)")
         for name in ("norm_eps", "rope_theta"):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")

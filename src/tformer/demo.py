@@ -16,7 +16,7 @@ import time
 # The recipe (chosen by measurement; see BENCHMARKS.md): the default preset `small` (4 layers,
 # width 256, context 128), bf16 autocast, AdamW with lr 2e-3, warm-up then cosine over the budget.
 RECIPE = dict(task="lm", data="hamlet", preset="small", tokenizer="char", vocab_size=2000, context=None,
-              dropout=0.1, val_fraction=0.1, init=None, batch_size=32, seed=1337, prompt="HAMLET:\n")
+              dropout=0.1, attn_dropout=0.0, val_fraction=0.1, init=None, batch_size=32, seed=1337, prompt="HAMLET:\n")
 TRAIN = dict(time_budget=300.0, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, grad_clip=1.0,
              precision="bf16", eval_every=250, save_every=1000, log_every=10)
 SAMPLES = [  # (what, generation settings)

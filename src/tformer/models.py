@@ -19,9 +19,10 @@ from torch import Tensor, nn
 
 from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
+from .dropout import Dropout
 from .errors import ConfigError
 from .generation import GenerationMixin
-from .layers import DecoderLayer, EncoderLayer, make_norm
+from .layers import DecoderLayer, EncoderLayer, column_major, make_norm
 from .masks import causal_mask, combine, padding_mask
 from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
@@ -41,7 +42,7 @@ class Embeddings(nn.Module):
             self.position = None  # RoPE acts inside attention instead
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.max_len = cfg.max_seq_len if self.position is not None else None  # RoPE has no table to run off
 
     def forward(self, ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
@@ -91,6 +92,8 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(m.weight)
+        if isinstance(m, nn.Linear):
+            column_major(m.weight)
 
 
 class Encoder(nn.Module):
@@ -153,7 +156,7 @@ class EncoderClassifier(nn.Module):
         self.cfg, self.num_labels, self.labels, self.pooling = cfg, num_labels, labels, pooling
         self.pool = POOLINGS[pooling]
         self.encoder = Encoder(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.head = nn.Linear(cfg.d_model, num_labels)
         nn.init.normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
@@ -224,6 +227,7 @@ class Decoder(GenerationMixin, nn.Module):
         init_weights(self, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.stack.embed.token.weight
+        column_major(self.lm_head.weight)                # tied or not (a no-op when already done)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: Cache | None = None, return_attention: bool = False):
@@ -254,6 +258,7 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         init_weights(self, cfg.n_layers + cfg.decoder_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
+        column_major(self.lm_head.weight)                # tied or not (a no-op when already done)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None, return_attention: bool = False):
         """(B, S) source ids -> memory (B, S, D)."""

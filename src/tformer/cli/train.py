@@ -53,6 +53,8 @@ def register(sub) -> None:
       help="vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000)")
     a("--context", type=positive_int, default=None, help="tokens per training window (default: the preset's max_seq_len)")
     a("--dropout", type=dropout, default=None, help="dropout probability (default: the preset's)")
+    a("--attn-dropout", type=dropout, default=None,
+      help="dropout on attention weights (default: --dropout); 0 is cheaper to train")
     a("--errors", default="strict", choices=("strict", "replace"),
       help="bytes in --data that are not UTF-8: stop with an error naming the byte (default), or read them as U+FFFD")
     a("--val-fraction", type=fraction, default=0.1, help="share of the data held out for validation (default 0.1)")

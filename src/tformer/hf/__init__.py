@@ -7,7 +7,8 @@ reverse. This package needs only torch and safetensors: `transformers` is not im
 Import is strict: every tensor the key map names must be present with the right shape, and any
 other tensor is an error unless the family declares it as left out, with the reason (IGNORED:
 BERT's pooler and pre-training heads, old causal-mask buffers...; `convert_hf` returns them).
-Loaded weights go into fp32 parameters; HF's several dropout rates become tformer's one.
+Loaded weights go into fp32 parameters; HF's dropout rates map to dropout (embeddings and sublayer
+outputs), attn_dropout (attention weights) and ffn_dropout (activation_dropout).
 Optional family hooks: prepare_import (Marian/BART: final_logits_bias, position-table check),
 export_state (Marian: re-basing an interleaved position table), export_extra (copies HF expects).
 

@@ -24,7 +24,8 @@ IGNORED = {
     r"embeddings\.(position_ids|token_type_ids)": "index buffers, rebuilt at run time",
 }
 DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                intermediate_size=3072, hidden_act="gelu", hidden_dropout_prob=0.1, max_position_embeddings=512,
+                intermediate_size=3072, hidden_act="gelu", hidden_dropout_prob=0.1,
+                attention_probs_dropout_prob=0.1, max_position_embeddings=512,
                 type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0, is_decoder=False,
                 add_cross_attention=False, position_embedding_type="absolute", bos_token_id=None, eos_token_id=None)
 
@@ -48,7 +49,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         kind="encoder", vocab_size=s["vocab_size"], d_model=s["hidden_size"], n_heads=s["num_attention_heads"],
         n_layers=s["num_hidden_layers"], d_ff=s["intermediate_size"], max_seq_len=s["max_position_embeddings"],
-        dropout=float(s["hidden_dropout_prob"]), norm_position="post", positional="learned",
+        dropout=float(s["hidden_dropout_prob"]),
+        attn_dropout=float(s["attention_probs_dropout_prob"]), norm_position="post", positional="learned",
         activation=hf_activation(s["hidden_act"], "hidden_act", "bert"), norm="layernorm",
         norm_eps=s["layer_norm_eps"], bias=True, embedding_norm=True, type_vocab_size=s["type_vocab_size"],
         pad_token_id=s["pad_token_id"], bos_token_id=token_id(s["bos_token_id"], "bos_token_id", "bert"),
@@ -67,7 +69,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return dict(model_type=MODEL_TYPE, architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size,
                 hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                 intermediate_size=cfg.ffn_dim, hidden_act=ACT_TO_HF[cfg.activation],
-                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+                hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.attention_dropout,
                 max_position_embeddings=cfg.max_seq_len, type_vocab_size=cfg.type_vocab_size,
                 layer_norm_eps=cfg.norm_eps, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
                 eos_token_id=cfg.eos_token_id, is_decoder=False, add_cross_attention=False)

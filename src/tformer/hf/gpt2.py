@@ -21,7 +21,7 @@ HEAD_KEYS = ("lm_head.weight",)
 IGNORED = {r"h\.\d+\.attn\.(masked_)?bias": "causal-mask buffers, rebuilt at run time"}
 # Values GPT2Config uses when config.json omits a key (transformers 5.x, configuration_gpt2.py).
 DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-                activation_function="gelu_new", resid_pdrop=0.1, layer_norm_epsilon=1e-5,
+                activation_function="gelu_new", resid_pdrop=0.1, attn_pdrop=0.1, layer_norm_epsilon=1e-5,
                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, add_cross_attention=False,
                 tie_word_embeddings=True, bos_token_id=50256, eos_token_id=50256, pad_token_id=None)
 
@@ -43,7 +43,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     refuse_unless(not s["add_cross_attention"], "gpt2", "add_cross_attention=true")
     return ModelConfig(
         kind="decoder", vocab_size=s["vocab_size"], d_model=s["n_embd"], n_heads=s["n_head"], n_layers=s["n_layer"],
-        d_ff=s["n_inner"], max_seq_len=s["n_positions"], dropout=float(s["resid_pdrop"]), norm_position="pre",
+        d_ff=s["n_inner"], max_seq_len=s["n_positions"], dropout=float(s["resid_pdrop"]),
+        attn_dropout=float(s["attn_pdrop"]), norm_position="pre",
         positional="learned", activation=hf_activation(s["activation_function"], "activation_function", "gpt2"),
         norm="layernorm", norm_eps=s["layer_norm_epsilon"], bias=True, tie_embeddings=s["tie_word_embeddings"],
         pad_token_id=s["pad_token_id"], bos_token_id=token_id(s["bos_token_id"], "bos_token_id", "gpt2"),
@@ -61,7 +62,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return dict(model_type=MODEL_TYPE, architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size,
                 n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
                 n_inner=cfg.ffn_dim, activation_function=ACT_TO_HF[cfg.activation], resid_pdrop=cfg.dropout,
-                embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.norm_eps,
+                embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.norm_eps,
                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                 add_cross_attention=False, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=cfg.pad_token_id,
                 bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)

@@ -17,7 +17,7 @@ DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num
                 num_attention_heads=32, num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, mlp_bias=False, head_dim=None,
                 pad_token_id=None, bos_token_id=1, eos_token_id=2, rope_theta=10000.0, rope_scaling=None,
-                rope_parameters=None, pretraining_tp=1)
+                rope_parameters=None, pretraining_tp=1, attention_dropout=0.0)
 
 LAYER = [
     ("attn_residual.norm.weight", "input_layernorm.weight"),
@@ -52,7 +52,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         kind="decoder", vocab_size=s["vocab_size"], d_model=s["hidden_size"], n_heads=heads,
         n_kv_heads=s["num_key_value_heads"], n_layers=s["num_hidden_layers"], d_ff=s["intermediate_size"],
-        max_seq_len=s["max_position_embeddings"], dropout=0.0, norm_position="pre", positional="rope",
+        max_seq_len=s["max_position_embeddings"], dropout=0.0,
+        attn_dropout=float(s["attention_dropout"]), norm_position="pre", positional="rope",
         activation="swiglu", norm="rmsnorm", norm_eps=s["rms_norm_eps"], bias=False,
         tie_embeddings=s["tie_word_embeddings"], rope_theta=_rope_theta(s), pad_token_id=s["pad_token_id"],
         bos_token_id=token_id(s["bos_token_id"], "bos_token_id", "llama"),
@@ -71,7 +72,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                 hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                 tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-                attention_dropout=cfg.dropout, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                attention_dropout=cfg.attention_dropout, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                 pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
 
 

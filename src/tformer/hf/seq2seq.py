@@ -16,6 +16,7 @@ HEAD_KEYS = ("lm_head.weight", "final_logits_bias")
 COMMON_DEFAULTS = dict(vocab_size=50265, max_position_embeddings=1024, encoder_layers=12, encoder_ffn_dim=4096,
                        encoder_attention_heads=16, decoder_layers=12, decoder_ffn_dim=4096,
                        decoder_attention_heads=16, activation_function="gelu", d_model=1024, dropout=0.1,
+                       attention_dropout=0.0, activation_dropout=0.0,
                        scale_embedding=False, tie_word_embeddings=True, is_encoder_decoder=True)
 
 
@@ -78,6 +79,7 @@ def config_from_hf(hf: dict, defaults: dict, family: str, **fixed) -> ModelConfi
         kind="encoder-decoder", vocab_size=s["vocab_size"], d_model=s["d_model"],
         n_heads=s["encoder_attention_heads"], n_layers=s["encoder_layers"], n_decoder_layers=s["decoder_layers"],
         d_ff=s["encoder_ffn_dim"], max_seq_len=s["max_position_embeddings"], dropout=float(s["dropout"]),
+        attn_dropout=float(s["attention_dropout"]), ffn_dropout=float(s["activation_dropout"]),
         norm_position="post", activation=hf_activation(s["activation_function"], "activation_function", family),
         norm="layernorm", norm_eps=1e-5, bias=True, tie_embeddings=s["tie_word_embeddings"],
         embed_scale=s["scale_embedding"], lm_head_bias=True,
@@ -104,8 +106,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
                 vocab_size=cfg.vocab_size, d_model=cfg.d_model, max_position_embeddings=cfg.max_seq_len,
                 encoder_layers=cfg.n_layers, decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.n_heads,
                 decoder_attention_heads=cfg.n_heads, encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=cfg.ffn_dim,
-                activation_function=ACT_TO_HF[cfg.activation], dropout=cfg.dropout, attention_dropout=cfg.dropout,
-                activation_dropout=0.0, scale_embedding=cfg.embed_scale, tie_word_embeddings=cfg.tie_embeddings,
+                activation_function=ACT_TO_HF[cfg.activation], dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                activation_dropout=cfg.ffn_dropout, scale_embedding=cfg.embed_scale, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                 forced_eos_token_id=None, decoder_start_token_id=start)
 

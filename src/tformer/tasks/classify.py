@@ -20,7 +20,8 @@ from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderClassifier
 from ..tokenizers import make_tokenizer
-from .common import arg, length_batches, length_grouped_rows, load_pretrained_encoder, model_config, pad, warn
+from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
+                     model_config, pad, warn)
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the HF
 # reference; on 12k short sentences a bigger model only overfits sooner.
@@ -179,8 +180,7 @@ class ClassifyTask:
             if encoder is None:  # resuming: the tokenizer came from the run, the weights from --init
                 encoder, _ = load_pretrained_encoder(self.init)
             cfg = encoder.cfg
-            if getattr(self.args, "dropout", None) is not None:
-                cfg = cfg.replace(dropout=self.args.dropout)
+            cfg = cfg.replace(**dropout_overrides(self.args))
             model = EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
             model.encoder.load_state_dict(encoder.state_dict())
             return model

@@ -48,16 +48,19 @@ def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
 
 def model_config(args, kind: str, vocab_size: int, max_len: int, default: dict[str, Any], **fixed: Any) -> ModelConfig:
     """The preset named by --preset, or else the task's own default shape (`default`: sized for minutes
-    of CPU training), with the vocabulary, kind and length of the task, and --dropout when given."""
+    of CPU training), with the vocabulary, kind and length of the task, and the dropout flags when given."""
     name = getattr(args, "preset", None)
     if name is not None and name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = PRESETS[name] if name is not None else default
     settings = {**fixed, **base, "kind": kind, "vocab_size": vocab_size,
                 "max_seq_len": max(max_len, base.get("max_seq_len", 0))}
-    if getattr(args, "dropout", None) is not None:
-        settings["dropout"] = args.dropout
-    return ModelConfig(**settings)
+    return ModelConfig(**{**settings, **dropout_overrides(args)})
+
+
+def dropout_overrides(args) -> dict[str, float]:
+    """--dropout and --attn-dropout, where given, as ModelConfig fields."""
+    return {name: getattr(args, name) for name in ("dropout", "attn_dropout") if getattr(args, name, None) is not None}
 
 
 def is_tformer_checkpoint(path: Path) -> bool:

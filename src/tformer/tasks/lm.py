@@ -18,6 +18,7 @@ from ..config import PRESETS, preset
 from ..data import lm_batch, lm_windows, read_text, split_text
 from ..errors import ConfigError, DataError
 from ..tokenizers import Tokenizer, make_tokenizer
+from .common import dropout_overrides
 
 SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
@@ -73,8 +74,7 @@ class LMTask:
         if PRESETS[self.args.preset].get("kind", "decoder") != "decoder":
             raise ConfigError(f"preset {self.args.preset!r} is not a decoder; language modelling needs one "
                               f"(e.g. small, tiny, gpt2-small)")
-        if self.args.dropout is not None:
-            overrides["dropout"] = self.args.dropout
+        overrides.update(dropout_overrides(self.args))
         if self.args.context and self.args.context > PRESETS[self.args.preset]["max_seq_len"]:
             overrides["max_seq_len"] = self.args.context  # learned positions: the table grows with the context
         return preset(self.args.preset, **overrides)
