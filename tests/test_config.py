@@ -20,6 +20,14 @@ def test_json_round_trip_keeps_every_field():
     assert (cfg.head_dim, cfg.kv_heads, cfg.ffn_dim, cfg.decoder_layers) == (8, 2, 100, 1)
 
 
+def test_src_vocab_size_round_trips_and_old_configs_load_without_it():
+    cfg = ModelConfig(kind="encoder-decoder", vocab_size=99, src_vocab_size=123)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json())["src_vocab_size"] == 123
+    old = {k: v for k, v in ModelConfig(kind="encoder-decoder").to_dict().items() if k != "src_vocab_size"}
+    assert ModelConfig.from_dict(old).src_vocab_size is None          # a config.json from before the field
+
+
 def test_attention_dropout_follows_dropout_unless_set():
     assert ModelConfig(dropout=0.2).attention_dropout == 0.2
     assert ModelConfig(dropout=0.2, attn_dropout=0.0).attention_dropout == 0.0
@@ -48,6 +56,9 @@ def test_attention_dropout_follows_dropout_unless_set():
     (dict(sinusoidal_layout="zigzag"), "sinusoidal_layout"),
     (dict(bias="yes"), "bias"),
     (dict(pad_token_id=-1), "pad_token_id"),
+    (dict(src_vocab_size=40), "src_vocab_size"),                       # only for an encoder-decoder
+    (dict(kind="encoder-decoder", src_vocab_size=0), "src_vocab_size"),
+    (dict(kind="encoder-decoder", src_vocab_size=True), "src_vocab_size"),
 ])
 def test_invalid_configs_raise_value_error_naming_the_field(fields, named):
     with pytest.raises(ValueError, match=named):

@@ -141,3 +141,11 @@ def test_export_refuses_an_encoder_decoder_no_family_fits(tmp_path):
     with pytest.raises(ConfigError, match="marian does not fit: norm_position='pre'"):
         tformer.to_hf(tformer.EncoderDecoder(cfg), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_separate_source_vocabulary(tmp_path):
+    cfg = tformer.preset("transformer-base", vocab_size=30, src_vocab_size=40, d_model=16, n_heads=2, n_layers=1,
+                         d_ff=24, max_seq_len=16, pad_token_id=0)      # Marian-shaped but for the vocabulary
+    with pytest.raises(ConfigError, match="marian does not fit: src_vocab_size=40 .*one vocabulary shared") as e:
+        tformer.to_hf(tformer.EncoderDecoder(cfg), tmp_path / "x")
+    assert "\n" not in str(e.value) and not (tmp_path / "x").exists()

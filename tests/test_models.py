@@ -34,6 +34,7 @@ CAUSAL_MODELS = {
     "decoder-learned-pre": build(Decoder, positional="learned"),
     "decoder-rope-post": build(Decoder, positional="rope", norm_position="post", n_kv_heads=2),
     "encdec-sinusoidal-post": build(EncoderDecoder, positional="sinusoidal", norm_position="post"),
+    "encdec-separate-vocab": build(EncoderDecoder, src_vocab_size=37),
 }
 
 
@@ -280,3 +281,62 @@ def test_float64_model_cache_matches_full_forward_exactly():
         steps = torch.cat([lm(x[:, t:t + 1], cache=cache) for t in range(7)], dim=1)
     assert full.dtype == torch.float64
     torch.testing.assert_close(steps, full, atol=1e-12, rtol=0)
+
+
+# --- an encoder-decoder with its own source vocabulary --------------------------------------------
+
+SRC_V = 37  # larger than the target's V: ids V..SRC_V-1 exist only in the source vocabulary
+
+
+def separate_vocab_model():
+    return build(EncoderDecoder, src_vocab_size=SRC_V, pad_token_id=0, decoder_start_token_id=1)
+
+
+def source_batch():
+    """Source ids drawn from the whole source vocabulary (most are >= V) and a mask with padding."""
+    src = torch.randint(0, SRC_V, (3, 7), generator=torch.Generator().manual_seed(4))
+    return src, torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 3 + [0] * 4])
+
+
+def test_separate_source_vocabulary_feeds_the_encoder_only():
+    model = separate_vocab_model().train()
+    assert model.encoder.embed.token is model.src_embed and model.src_embed.weight.shape == (SRC_V, 32)
+    assert model.decoder.embed.token is model.shared and model.lm_head.weight is model.shared.weight
+    src, mask = source_batch()
+    logits = model(src, ids(3, 5), mask)
+    assert logits.shape == (3, 5, V)                                          # the target vocabulary
+    logits.sum().backward()
+    read = torch.zeros(SRC_V, dtype=torch.bool)
+    read[src[mask.bool()]] = True                                             # real (unpadded) source tokens
+    touched = model.src_embed.weight.grad.abs().sum(-1) > 0
+    assert torch.equal(touched, read)                                         # exactly the rows the source used
+
+
+def test_separate_vocabulary_greedy_and_beam_equal_full_forward_and_cacheless():
+    model = separate_vocab_model()
+    src, mask = source_batch()
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=[])
+    with torch.no_grad():
+        greedy = model.generate(src, mask, **kw)
+        seq = torch.ones(3, 1, dtype=torch.long)                              # the decoder start token
+        for _ in range(8):                                                    # reference: full forward, argmax
+            seq = torch.cat([seq, model(src, seq, mask)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(greedy, seq)
+        assert torch.equal(greedy, model.generate(src, mask, use_cache=False, **kw))
+        beams = model.generate(src, mask, num_beams=3, **kw)
+        assert torch.equal(beams, model.generate(src, mask, num_beams=3, use_cache=False, **kw))
+
+
+def test_separate_vocabulary_save_load_gives_identical_outputs(tmp_path):
+    from safetensors.torch import load_file
+
+    from tformer import load, save
+
+    model = separate_vocab_model()
+    save(model, tmp_path / "m")
+    assert "src_embed.weight" in load_file(tmp_path / "m" / "model.safetensors")
+    again = load(tmp_path / "m")
+    assert again.cfg == model.cfg and again.src_embed.weight.shape == (SRC_V, 32)
+    src, mask = source_batch()
+    with torch.no_grad():
+        assert torch.equal(again(src, ids(3, 5), mask), model(src, ids(3, 5), mask))

@@ -1,5 +1,6 @@
 """Checkpoints: a directory with `config.json` (architecture, ModelConfig, checksums) and
-`model.safetensors` (+ `tokenizer.json` when the model has one). Loading never executes code.
+`model.safetensors` (+ `tokenizer.json` when the model has one, and `source_tokenizer.json` for a
+translator with separate source and target vocabularies). Loading never executes code.
 
 Writes are atomic: everything goes into a hidden temporary directory next to the target, which
 is renamed into place only when complete. A run directory (see train.py) holds checkpoints under
@@ -29,6 +30,7 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
 BEST = "best"  # RUN/best/: the best-scoring model of a run (see resolve)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Encoder": Encoder, "EncoderClassifier": EncoderClassifier, "Decoder": Decoder, "EncoderDecoder": EncoderDecoder,
@@ -91,8 +93,9 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
 
 def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[str, Any] | None = None,
-         extra_files: dict[str, bytes] | None = None) -> Path:
+         extra_files: dict[str, bytes] | None = None, source_tokenizer=None) -> Path:
     """Write `model` (and its tokenizer, anything with `.save(path)` writing tokenizer.json) to `path`.
+    `source_tokenizer`: an EncoderDecoder's source-side tokenizer when it has its own vocabulary.
     `meta` is stored in config.json (task, label names, data split...). Returns the directory."""
     from safetensors.torch import save_file
 
@@ -107,9 +110,10 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
         state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
         save_file(state, str(tmp / WEIGHTS))
         files = {WEIGHTS: sha256(tmp / WEIGHTS)}
-        if tokenizer is not None:
-            tokenizer.save(str(tmp / TOKENIZER))
-            files[TOKENIZER] = sha256(tmp / TOKENIZER)
+        for name, tok in ((TOKENIZER, tokenizer), (SOURCE_TOKENIZER, source_tokenizer)):
+            if tok is not None:
+                tok.save(str(tmp / name))
+                files[name] = sha256(tmp / name)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
             files[name] = sha256(tmp / name)

@@ -21,6 +21,8 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 class ModelConfig:
     kind: str = "decoder"              # which family: encoder (BERT), decoder (GPT), encoder-decoder (2017, T5, BART)
     vocab_size: int = 256              # rows of the token embedding = columns of the output layer
+    src_vocab_size: int | None = None  # encoder-decoder only: the source vocabulary when it differs from the
+                                       # target's (its own encoder embedding); None = one shared vocabulary
     d_model: int = 128                 # D: width of every token vector; blocks keep (B, T, D) in and out
     n_heads: int = 4                   # heads run in parallel, each of size d_model / n_heads
     n_layers: int = 2                  # blocks in the encoder, or in the decoder of a decoder-only model
@@ -94,7 +96,7 @@ class ModelConfig:
         choice("sinusoidal_layout", SINUSOIDAL_LAYOUTS)
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
             positive(name)
-        for name in ("n_decoder_layers", "n_kv_heads", "d_ff"):
+        for name in ("src_vocab_size", "n_decoder_layers", "n_kv_heads", "d_ff"):
             if getattr(self, name) is not None:
                 positive(name)
         if self.d_model % self.n_heads:
@@ -117,8 +119,9 @@ class ModelConfig:
         for name in ("bias", "tie_embeddings", "embed_scale", "embedding_norm", "lm_head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
-        if self.n_decoder_layers is not None and self.kind != "encoder-decoder":
-            raise ConfigError("n_decoder_layers is only used when kind='encoder-decoder'")
+        for name in ("n_decoder_layers", "src_vocab_size"):
+            if getattr(self, name) is not None and self.kind != "encoder-decoder":
+                raise ConfigError(f"{name} is only used when kind='encoder-decoder'")
         for name in ("type_vocab_size", "position_offset", "pad_token_id", "bos_token_id", "eos_token_id",
                      "decoder_start_token_id"):
             value = getattr(self, name)

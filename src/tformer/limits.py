@@ -37,7 +37,7 @@ def training_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
     keeps (decoders), and per layer the bf16 q, k, v and feed-forward activations autograd saves."""
     layers = cfg.n_layers + (cfg.decoder_layers if cfg.kind == "encoder-decoder" else 0)
     d, d_ff = cfg.d_model, cfg.ffn_dim
-    n_params = cfg.vocab_size * d + layers * (2 * d * d + 2 * d * d_ff)
+    n_params = (cfg.vocab_size + (cfg.src_vocab_size or 0)) * d + layers * (2 * d * d + 2 * d * d_ff)
     tokens = micro_batch * seq_len
     logits = tokens * cfg.vocab_size * 4 if cfg.kind != "encoder" else 0
     return 16 * n_params + logits + layers * tokens * (3 * d + d_ff) * 2

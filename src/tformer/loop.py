@@ -193,7 +193,8 @@ class Trainer:
             if self.ema is not None:
                 extra[EMA] = st_save({n: t.detach().cpu().contiguous() for n, t in self.ema.items()})
             save(model, path, tokenizer=self.task.tokenizer, meta={"task": self.task.name, **self.task.meta(),
-                                                                   "step": state["step"]}, extra_files=extra)
+                                                                   "step": state["step"]}, extra_files=extra,
+                 source_tokenizer=getattr(self.task, "source_tokenizer", None))
             self._prune()
         self.dist.barrier()
         return path
@@ -227,7 +228,8 @@ class Trainer:
         model = self._model_to_save()
         if self.dist.main:
             save(model, self.run_dir / BEST, tokenizer=self.task.tokenizer,
-                 meta={"task": self.task.name, **self.task.meta(), "step": state["step"], "best": state["best"]})
+                 meta={"task": self.task.name, **self.task.meta(), "step": state["step"], "best": state["best"]},
+                 source_tokenizer=getattr(self.task, "source_tokenizer", None))
         self.dist.barrier()
 
     def _optimizer_state(self):

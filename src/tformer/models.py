@@ -246,13 +246,15 @@ class Decoder(GenerationMixin, nn.Module):
 class EncoderDecoder(GenerationMixin, nn.Module):
     """The 2017 translation model: the encoder reads the source once; every decoder layer attends to
     its output ("memory") while generating the target left to right. One token embedding is shared
-    by encoder, decoder and (when tied) the output layer."""
+    by encoder, decoder and (when tied) the output layer; with cfg.src_vocab_size the source has its
+    own vocabulary and embedding (`src_embed`), and `shared` serves the target side only."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.encoder = Encoder(cfg, token_embedding=self.shared)
+        self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model) if cfg.src_vocab_size else None
+        self.encoder = Encoder(cfg, token_embedding=self.src_embed if self.src_embed is not None else self.shared)
         self.decoder = DecoderStack(cfg, cfg.decoder_layers, cross=True, token_embedding=self.shared)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         init_weights(self, cfg.n_layers + cfg.decoder_layers)

@@ -82,14 +82,16 @@ def _encode(tokenizer, text: str, cfg, what: str) -> list[int]:
     return ids
 
 
-def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None) -> Inputs:
+def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None, source_tokenizer=None) -> Inputs:
     """Tokenize `text` (and `target`, the decoder side of an encoder-decoder) for `model`.
-    An encoder-decoder without a target decodes greedily from the source to get one."""
+    An encoder-decoder without a target decodes greedily from the source to get one.
+    `source_tokenizer` reads `text` when the source has its own vocabulary (src_vocab_size)."""
     kind, cfg = model_kind(model), model.cfg
     if target is not None and kind != "encoder-decoder":
         raise ConfigError(f"--target is only for encoder-decoder models (this is a {kind})")
-    ids = _encode(tokenizer, text, cfg, "the text")
-    inputs = Inputs(torch.tensor([ids]), [token_label(tokenizer, i) for i in ids])
+    src_tok = source_tokenizer or tokenizer
+    ids = _encode(src_tok, text, cfg, "the text")
+    inputs = Inputs(torch.tensor([ids]), [token_label(src_tok, i) for i in ids])
     if kind == "encoder-decoder":
         start = next((i for i in (cfg.decoder_start_token_id, cfg.pad_token_id, cfg.bos_token_id) if i is not None),
                      None)

@@ -20,6 +20,8 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
             # init: a checkpoint directory to start from (--init), or None.
             # Raise tformer.errors.DataError / ConfigError for bad input: they become `error: ...`.
         tokenizer                              # saved as tokenizer.json in each checkpoint (or None)
+        source_tokenizer                       # optional: saved as source_tokenizer.json (a translator with
+                                               # separate vocabularies); on --resume given to __init__ too
         def build_model(self) -> nn.Module     # fresh, CPU, fp32; a tformer model class (checkpoint.save)
         def batch(self, step, split="train") -> dict[str, Tensor]
             # The GLOBAL batch of optimizer step `step` (args.batch_size rows), a pure function of

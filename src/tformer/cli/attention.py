@@ -45,7 +45,7 @@ def output_paths(out: str) -> tuple[Path, Path]:
 
 def run(args) -> int:
     from tformer.checkpoint import load
-    from tformer.tokenizers import load_tokenizer
+    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
     from tformer.trace import attention_maps, model_kind, prepare
     from tformer.viz import _check_parent, plot_attention_grid, write_attention_html
 
@@ -53,7 +53,7 @@ def run(args) -> int:
     _check_parent(png)  # fail before the (slow) model load
     tokenizer = load_tokenizer(args.model)
     model = load(args.model)
-    inputs = prepare(model, tokenizer, args.text, args.target)
+    inputs = prepare(model, tokenizer, args.text, args.target, source_tokenizer=load_source_tokenizer(args.model))
     maps = attention_maps(model, inputs)
     cfg = model.cfg
     subtitle = (f"{args.model} · {type(model).__name__} ({model_kind(model)}) · {cfg.n_layers} layers × "

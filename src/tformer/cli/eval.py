@@ -120,6 +120,7 @@ def eval_classifier(model, tokenizer, meta, args):
 def eval_translator(model, tokenizer, meta, args):
     from tformer.limits import check_generation
     from tformer.tasks.translate import load_split, score
+    from tformer.tokenizers import load_source_tokenizer
 
     held = meta.get("heldout", {})
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
@@ -133,7 +134,8 @@ def eval_translator(model, tokenizer, meta, args):
         _, (sources, targets), _ = load_split(data, held.get("val_fraction", 0.1), held.get("seed", 0),
                                               held.get("heldout_numbers", 1000))
     sources, targets = _limit(sources, args.limit), _limit(targets, args.limit)
-    s = score(model, tokenizer, sources, targets, max_len, num_beams=args.num_beams)
+    s = score(model, tokenizer, sources, targets, max_len, num_beams=args.num_beams,
+              source_tokenizer=load_source_tokenizer(args.model))
     examples = "\n".join(f"{src}  ->  {hyp}   (reference: {ref})"
                          for src, hyp, ref in list(zip(sources, s["hypotheses"], targets))[:3])
     return ({k: s[k] for k in ("val_loss", "perplexity", "bleu", "chrf", "exact_match")}, examples)

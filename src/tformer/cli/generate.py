@@ -61,7 +61,7 @@ def run(args) -> int:
     from tformer.errors import TformerError
     from tformer.generation import generate, stream_text
     from tformer.models import Decoder, EncoderDecoder
-    from tformer.tokenizers import load_tokenizer
+    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load(args.model)
@@ -69,6 +69,8 @@ def run(args) -> int:
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
                            f"(use a Decoder or EncoderDecoder checkpoint)")
     tokenizer = load_tokenizer(args.model)
+    source_tokenizer = load_source_tokenizer(args.model)  # an encoder-decoder whose source has its own vocabulary
+    reader = source_tokenizer or tokenizer                # what reads the prompt
     max_new = DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens
     if max_new > MAX_NEW_TOKENS:
         raise TformerError(f"--max-new-tokens {max_new} is more than {MAX_NEW_TOKENS:,} (ask for less; for more "
@@ -84,13 +86,13 @@ def run(args) -> int:
                    eos_token_id=_eos(model, tokenizer))
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
     from tformer.limits import check_generation
-    check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(tokenizer.encode(prompt)) + max_new))
+    check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(reader.encode(prompt)) + max_new))
     # Build the generator (which checks every argument) before printing anything.
     if args.num_beams > 1:
-        pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate)])
+        pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate, reader)])
     else:
         pieces = stream_text(model, tokenizer, prompt, stop_strings=args.stop, generator=generator,
-                             sliding_window=True, **options)
+                             sliding_window=True, source_tokenizer=source_tokenizer, **options)
     out = sys.stdout
     if not args.no_echo and isinstance(model, Decoder):
         out.write(prompt)
@@ -107,13 +109,14 @@ def _eos(model, tokenizer) -> list[int]:
     return [] if eos is None else [eos]
 
 
-def _beam_text(model, tokenizer, prompt, stops, generator, options, generate) -> str:
-    """Beam search, then the best hypothesis's new text, cut before the first stop string."""
+def _beam_text(model, tokenizer, prompt, stops, generator, options, generate, reader) -> str:
+    """Beam search, then the best hypothesis's new text, cut before the first stop string.
+    `reader` tokenizes the prompt (an encoder-decoder's source tokenizer), `tokenizer` the output."""
     import torch
 
     from tformer.generation import TextStream
 
-    ids = torch.tensor([tokenizer.encode(prompt) or ([tokenizer.bos_id] if tokenizer.bos_id is not None else [])])
+    ids = torch.tensor([reader.encode(prompt) or ([reader.bos_id] if reader.bos_id is not None else [])])
     if ids.numel() == 0:
         from tformer.errors import ConfigError
         raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")

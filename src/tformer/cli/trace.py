@@ -34,13 +34,13 @@ def register(sub) -> None:
 def run(args) -> int:
     from tformer.checkpoint import load
     from tformer.errors import ConfigError
-    from tformer.tokenizers import load_tokenizer
+    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
     from tformer.trace import prepare, trace
 
     if args.numbers < 1:
         raise ConfigError(f"--numbers {args.numbers} must be at least 1")
     tokenizer = load_tokenizer(args.model)
     model = load(args.model)
-    inputs = prepare(model, tokenizer, args.text, args.target)
+    inputs = prepare(model, tokenizer, args.text, args.target, source_tokenizer=load_source_tokenizer(args.model))
     print(trace(model, inputs, tokenizer, token=args.token, head=args.head, n_numbers=args.numbers))
     return 0

@@ -50,7 +50,8 @@ def register(sub) -> None:
            "WordPiece trained on the data; or a tokenizer.json (or a directory with one) used as it is "
            "(default: char for lm, wordpiece for classify)")
     a("--vocab-size", type=positive_int, default=None,
-      help="vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000)")
+      help="vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000; translate: "
+           "2000 for numbers-fr-en, 8000 otherwise)")
     a("--context", type=positive_int, default=None, help="tokens per training window (default: the preset's max_seq_len)")
     a("--dropout", type=dropout, default=None, help="dropout probability (default: the preset's)")
     a("--attn-dropout", type=dropout, default=None,
@@ -97,7 +98,7 @@ def register(sub) -> None:
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     for name in TASKS:
         try:
-            task_class(name).add_arguments(_Shared(p, p))
+            task_class(name).add_arguments(_Shared(p, p, name))
         except ConfigError:
             pass  # a task that is not installed adds no flags; choosing it reports why
     p.set_defaults(func=run, _parser=p)
@@ -105,18 +106,25 @@ def register(sub) -> None:
 
 class _Shared:
     """Hands a parser (or argument group) to a task's add_arguments. Two tasks may declare the
-    same flag (e.g. --max-len for classify and translate): the first declaration is kept."""
+    same flag (e.g. --max-len for classify and translate): the first declaration is kept, and its
+    help becomes both tasks' ("classify: ...; translate: ...")."""
 
-    def __init__(self, target, parser):
-        self.target, self.parser = target, parser
+    def __init__(self, target, parser, task: str):
+        self.target, self.parser, self.task = target, parser, task
 
     def add_argument(self, *names, **kwargs):
-        if any(n in self.parser._option_string_actions for n in names):
+        existing = next((self.parser._option_string_actions[n] for n in names
+                         if n in self.parser._option_string_actions), None)
+        if existing is not None:
+            if kwargs.get("help"):
+                existing.help = f"{existing.task}: {existing.help}; {self.task}: {kwargs['help']}"
             return None
-        return self.target.add_argument(*names, **kwargs)
+        action = self.target.add_argument(*names, **kwargs)
+        action.task = self.task
+        return action
 
     def add_argument_group(self, *args, **kwargs):
-        return _Shared(self.parser.add_argument_group(*args, **kwargs), self.parser)
+        return _Shared(self.parser.add_argument_group(*args, **kwargs), self.parser, self.task)
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -160,8 +168,8 @@ def prepare(args):
         args.data = getattr(cls, "default_data", "hamlet")
     if args.tokenizer is None:
         args.tokenizer = getattr(cls, "default_tokenizer", "char")
-    if args.vocab_size is None:
-        args.vocab_size = getattr(cls, "default_vocab_size", 2000)
+    if args.vocab_size is None:  # None: the task picks per data set (translate)
+        args.vocab_size = getattr(cls, "default_vocab_size", None)
     cfg = TrainConfig(out=args.out, max_steps=args.max_steps, time_budget=args.time_budget,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
@@ -172,11 +180,14 @@ def prepare(args):
                       device=args.device, fsdp=args.fsdp, compile=args.compile, stop_at=args.stop_at,
                       progress=args.progress, skip_nonfinite=getattr(args, "skip_nonfinite", 0))
     cfg.check()
-    tokenizer = None
+    tokenizers = {}
     if resume:
-        from tformer.tokenizers import load_tokenizer
-        tokenizer = load_tokenizer(resume)
-    task = cls(args, tokenizer=tokenizer, init=None if resume else args.init)
+        from tformer.tokenizers import load_source_tokenizer, load_tokenizer
+        tokenizers["tokenizer"] = load_tokenizer(resume)
+        source = load_source_tokenizer(resume)
+        if source is not None:  # only a translator with separate vocabularies has one
+            tokenizers["source_tokenizer"] = source
+    task = cls(args, **tokenizers, init=None if resume else args.init)
     from tformer.limits import check_task
     check_task(task, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
     saved = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}

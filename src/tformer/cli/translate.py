@@ -30,18 +30,20 @@ def run(args) -> int:
     from tformer.models import EncoderDecoder
     from tformer.tasks.common import warn
     from tformer.tasks.translate import encode_pairs, translate
+    from tformer.tokenizers import load_source_tokenizer
 
     if args.num_beams < 1 or args.batch_size < 1:
         raise ConfigError("--num-beams and --batch-size must be at least 1")
     texts = read_inputs(args.texts, "sentence")
     model, tokenizer, max_len, _ = load_task_model(args.model, EncoderDecoder, "an encoder-decoder", "translate")
-    src, _ = encode_pairs(tokenizer, texts, None, max_len + 1)
+    source_tokenizer = load_source_tokenizer(args.model)  # None: one vocabulary for both languages
+    src, _ = encode_pairs(tokenizer, texts, None, max_len + 1, source_tokenizer)
     cut = sum(len(s) > max_len for s in src)
     if cut:
         warn(f"{cut} input(s) longer than the model's {max_len} tokens were truncated")
     from tformer.limits import check_generation
     check_generation(model.cfg, min(args.batch_size, len(texts)) * args.num_beams, max_len,
                      fix="lower --num-beams or --batch-size")
-    for line in translate(model, tokenizer, texts, args.num_beams, max_len, args.batch_size):
+    for line in translate(model, tokenizer, texts, args.num_beams, max_len, args.batch_size, source_tokenizer):
         print(line, flush=False)
     return 0

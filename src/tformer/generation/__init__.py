@@ -23,16 +23,18 @@ from .stopping import TextStream, sequence_hits
 
 
 def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop: bool = False,
-                sliding_window: bool = False, **kwargs) -> Iterator[str]:
+                sliding_window: bool = False, source_tokenizer=None, **kwargs) -> Iterator[str]:
     """Generate from one text prompt and yield the new text as it becomes complete (never half a
     UTF-8 character, never the start of a stop string that may still complete). For an
-    EncoderDecoder the prompt is the source text. Other arguments as in generate().
+    EncoderDecoder the prompt is the source text (read by `source_tokenizer` when the source has
+    its own vocabulary). Other arguments as in generate().
 
     sliding_window=True lets a Decoder write past its context (max_seq_len): when the context is
     full, generation restarts from the last half-context of tokens (as nanoGPT's sampler does)."""
-    ids = tokenizer.encode(prompt)
-    if not ids and getattr(tokenizer, "bos_id", None) is not None:
-        ids = [tokenizer.bos_id]
+    reader = source_tokenizer or tokenizer
+    ids = reader.encode(prompt)
+    if not ids and getattr(reader, "bos_id", None) is not None:
+        ids = [reader.bos_id]
     if not ids:
         from ..errors import ConfigError
         raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")

@@ -88,11 +88,17 @@ def config_from_hf(hf: dict, defaults: dict, family: str, **fixed) -> ModelConfi
         decoder_start_token_id=s["decoder_start_token_id"], **fixed)
 
 
+# The conversion maps one embedding shared by source and target (a Marian file with a separate decoder
+# vocabulary is refused on import too), so a model with its own source vocabulary has no HF form here.
+SHARED_VOCAB = (lambda v: v is None, "None: tformer's Marian/BART export uses one vocabulary shared by source "
+                "and target; train without --separate-vocab to export")
+
+
 def fits(cfg: ModelConfig, **specific) -> list[str]:
     # transformers' Marian/BART layers use nn.LayerNorm's default eps, 1e-5.
     return mismatches(cfg, dict(kind="encoder-decoder", norm_position="post", norm="layernorm", bias=True,
                                 norm_eps=1e-5, type_vocab_size=0, activation=list(ACT_TO_HF),
-                                n_kv_heads=[None, cfg.n_heads], **specific))
+                                n_kv_heads=[None, cfg.n_heads], src_vocab_size=SHARED_VOCAB, **specific))
 
 
 def decoder_start(cfg: ModelConfig) -> int | None:

@@ -25,6 +25,7 @@ SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
 class LMTask:
     name = "lm"
+    default_vocab_size = 2000
 
     @classmethod
     def add_arguments(cls, parser) -> None:

@@ -6,7 +6,8 @@ Data: `numbers-fr-en` (default; French number words -> English, generated on the
 draws fresh numbers, never one of the held-out numbers), `bible-en-es` (held out: whole chapters),
 or a user's TSV (source<TAB>target) / JSONL ({"source", "target"}) file (held out: random pairs).
 
-Sequences (one shared BPE vocabulary for both languages, so the embedding is shared too):
+Sequences (one shared BPE vocabulary for both languages, so the embedding is shared too; with
+--separate-vocab one BPE vocabulary per language, the source read by the encoder's own embedding):
     source          s1 s2 … [eos]
     decoder input   [bos] t1 t2 …        (teacher forcing: the reference, shifted right)
     labels          t1 t2 … [eos]        (cross-entropy with label smoothing; padding ignored)
@@ -32,7 +33,7 @@ IGNORE = -100
 # The default shape (when --preset is not given): 2 + 2 layers of width 128, the HF Marian reference's
 # shape; post-LN and sinusoidal positions as in the 2017 paper would also do, pre-LN trains faster.
 DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2, d_ff=512, max_seq_len=256, dropout=0.1)
-DEFAULT_VOCAB = {"numbers-fr-en": 512, "bible-en-es": 8000}
+DEFAULT_VOCAB = {"numbers-fr-en": 2000, "bible-en-es": 8000}  # as measured in BENCHMARKS.md
 
 
 @lru_cache(maxsize=1 << 17)
@@ -59,15 +60,17 @@ def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int =
     return pick(train), pick(test), None
 
 
-def encode_pairs(tokenizer, sources: list[str], targets: list[str] | None, max_len: int):
-    """Token lists: sources (… [eos]) and, if given, targets (without specials), each cut to fit."""
-    src = [ids[:max_len - 1] + [tokenizer.eos_id] for ids in tokenizer.encode_batch(sources)]
+def encode_pairs(tokenizer, sources: list[str], targets: list[str] | None, max_len: int, source_tokenizer=None):
+    """Token lists: sources (… [eos]) and, if given, targets (without specials), each cut to fit.
+    `source_tokenizer` encodes the sources when the languages have separate vocabularies."""
+    src_tok = source_tokenizer or tokenizer
+    src = [ids[:max_len - 1] + [src_tok.eos_id] for ids in src_tok.encode_batch(sources)]
     tgt = [ids[:max_len - 1] for ids in tokenizer.encode_batch(targets)] if targets is not None else None
     return src, tgt
 
 
-def collate(tokenizer, src: list[list[int]], tgt: list[list[int]]) -> dict[str, Tensor]:
-    src_ids, src_mask = pad(src, tokenizer.pad_id)
+def collate(tokenizer, src: list[list[int]], tgt: list[list[int]], source_tokenizer=None) -> dict[str, Tensor]:
+    src_ids, src_mask = pad(src, (source_tokenizer or tokenizer).pad_id)
     tgt_ids, _ = pad([[tokenizer.bos_id] + t for t in tgt], tokenizer.pad_id)
     labels, label_mask = pad([t + [tokenizer.eos_id] for t in tgt], tokenizer.pad_id)
     labels[label_mask == 0] = IGNORE
@@ -75,15 +78,16 @@ def collate(tokenizer, src: list[list[int]], tgt: list[list[int]]) -> dict[str, 
 
 
 def translate(model: EncoderDecoder, tokenizer, texts: list[str], num_beams: int = 1, max_len: int = 256,
-              batch_size: int = 64) -> list[str]:
-    """Translations of `texts`, in order: greedy (num_beams=1) or beam search."""
-    src, _ = encode_pairs(tokenizer, texts, None, max_len)
+              batch_size: int = 64, source_tokenizer=None) -> list[str]:
+    """Translations of `texts`, in order: greedy (num_beams=1) or beam search. `tokenizer` writes the
+    target; `source_tokenizer`, when the source has its own vocabulary, reads `texts`."""
+    src, _ = encode_pairs(tokenizer, texts, None, max_len, source_tokenizer)
     device = next(model.parameters()).device
     out: list[str] = [""] * len(texts)
     was_training = model.training
     model.eval()
     for rows in length_batches([len(s) for s in src], batch_size):
-        ids, mask = pad([src[i] for i in rows], tokenizer.pad_id)
+        ids, mask = pad([src[i] for i in rows], (source_tokenizer or tokenizer).pad_id)
         limit = min(model.cfg.max_seq_len - 1, 2 * ids.size(1) + 10)  # targets are rarely twice the source
         gen = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=limit,
                              num_beams=num_beams, do_sample=False, eos_token_id=tokenizer.eos_id,
@@ -97,13 +101,15 @@ def translate(model: EncoderDecoder, tokenizer, texts: list[str], num_beams: int
 
 
 @torch.no_grad()
-def teacher_forced_loss(model: EncoderDecoder, tokenizer, sources, targets, max_len: int, batch_size: int = 64) -> float:
+def teacher_forced_loss(model: EncoderDecoder, tokenizer, sources, targets, max_len: int, batch_size: int = 64,
+                        source_tokenizer=None) -> float:
     """Mean cross-entropy per target token (incl. [eos]) with the reference as decoder input."""
-    src, tgt = encode_pairs(tokenizer, sources, targets, max_len)
+    src, tgt = encode_pairs(tokenizer, sources, targets, max_len, source_tokenizer)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for rows in length_batches([len(s) + len(t) for s, t in zip(src, tgt)], batch_size):
-        b = {k: v.to(device) for k, v in collate(tokenizer, [src[i] for i in rows], [tgt[i] for i in rows]).items()}
+        batch = collate(tokenizer, [src[i] for i in rows], [tgt[i] for i in rows], source_tokenizer)
+        b = {k: v.to(device) for k, v in batch.items()}
         logits = model(b["src_ids"], b["tgt_ids"], b["src_mask"]).float()
         total += F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE,
                                  reduction="sum").item()
@@ -111,14 +117,15 @@ def teacher_forced_loss(model: EncoderDecoder, tokenizer, sources, targets, max_
     return total / count
 
 
-def score(model, tokenizer, sources, targets, max_len: int, num_beams: int = 1, limit: int | None = None) -> dict:
+def score(model, tokenizer, sources, targets, max_len: int, num_beams: int = 1, limit: int | None = None,
+          source_tokenizer=None) -> dict:
     """val_loss on all pairs; BLEU, chrF and exact match of generated translations of the first
     `limit` pairs (all when None). Returns the hypotheses too."""
     import math
 
-    loss = teacher_forced_loss(model, tokenizer, sources, targets, max_len)
+    loss = teacher_forced_loss(model, tokenizer, sources, targets, max_len, source_tokenizer=source_tokenizer)
     n = len(sources) if limit is None else min(limit, len(sources))
-    hyps = translate(model, tokenizer, sources[:n], num_beams, max_len)
+    hyps = translate(model, tokenizer, sources[:n], num_beams, max_len, source_tokenizer=source_tokenizer)
     refs = targets[:n]
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bleu": metrics.bleu(hyps, refs),
             "chrf": metrics.chrf(hyps, refs), "exact_match": metrics.exact_match(hyps, refs), "hypotheses": hyps}
@@ -141,10 +148,13 @@ class TranslateTask:
         g.add_argument("--eval-sentences", type=positive_int, default=200,
                        help="held-out sentences translated (greedy) at each validation for BLEU/chrF/exact match; "
                             "val_loss always uses all (default: 200)")
+        g.add_argument("--separate-vocab", action="store_true",
+                       help="train one BPE vocabulary per language instead of one shared (default: shared); "
+                            "--vocab-size then applies to each")
         g.add_argument("--max-len", type=positive_int, default=None,
                        help="tokens per source / target sentence; longer ones are cut (default: the model's length)")
 
-    def __init__(self, args, tokenizer=None, init: str | None = None):
+    def __init__(self, args, tokenizer=None, init: str | None = None, source_tokenizer=None):
         if init is not None:
             raise ConfigError("--init is not supported for --task translate (train from scratch, or --resume a run)")
         self.args = args
@@ -159,28 +169,41 @@ class TranslateTask:
         self.batch_size = arg(args, "batch_size", 32)
         train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
                                                        self.heldout_numbers, arg(args, "errors", "strict"))
+        self.separate_vocab = bool(arg(args, "separate_vocab", False))
         if tokenizer is None:
-            texts = train[0] + train[1] if train is not None else self._number_texts(4000)
-            tokenizer = _train_tokenizer(texts, arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000)))
-        self.tokenizer = tokenizer
+            sources, targets = train if train is not None else self._number_texts(4000)
+            vocab_size = arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000))
+            if self.separate_vocab:
+                source_tokenizer = _train_tokenizer(sources, vocab_size)
+                tokenizer = _train_tokenizer(targets, vocab_size)
+            else:
+                tokenizer = _train_tokenizer(sources + targets, vocab_size)
+        if self.separate_vocab != (source_tokenizer is not None):
+            raise ConfigError("--separate-vocab and the given tokenizers disagree (separate vocabularies need a "
+                              "source and a target tokenizer; a shared one needs only one tokenizer)")
+        self.tokenizer, self.source_tokenizer = tokenizer, source_tokenizer
         if None in (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id):
             raise DataError("the tokenizer needs <pad>, <bos> and <eos> tokens for translation")
+        if source_tokenizer is not None and None in (source_tokenizer.pad_id, source_tokenizer.eos_id):
+            raise DataError("the source tokenizer needs <pad> and <eos> tokens for translation")
         self.cfg = model_config(args, "encoder-decoder", tokenizer.vocab_size, 0, DEFAULT_MODEL,
                                 pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
-                                eos_token_id=tokenizer.eos_id, decoder_start_token_id=tokenizer.bos_id)
+                                eos_token_id=tokenizer.eos_id, decoder_start_token_id=tokenizer.bos_id,
+                                src_vocab_size=source_tokenizer.vocab_size if source_tokenizer else None)
         self.max_len = min(arg(args, "max_len", self.cfg.max_seq_len), self.cfg.max_seq_len)
         self.train_src = self.train_tgt = None
         if train is not None:
-            self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len)
+            self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len, source_tokenizer)
             self.by_length = sorted(range(len(self.train_src)), key=lambda i: len(self.train_src[i]) + len(self.train_tgt[i]))
             cut = sum(len(s) >= self.max_len for s in self.train_src) + sum(len(t) >= self.max_len for t in self.train_tgt)
             if cut:
                 warn(f"{cut} training sentences are longer than {self.max_len} tokens and were cut")
 
-    def _number_texts(self, n: int) -> list[str]:
+    def _number_texts(self, n: int) -> tuple[list[str], list[str]]:
+        """(French, English) texts of `n` training numbers, to train the tokenizer(s) on."""
         rng = random.Random(f"tokenizer-{self.seed}")
         pairs = [number_pair(corpora.sample_training_number(rng, self.heldout_set)) for _ in range(n)]
-        return [p[0] for p in pairs] + [p[1] for p in pairs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     # --- the Task protocol ------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -190,11 +213,12 @@ class TranslateTask:
         if self.train_src is None:  # numbers: fresh numbers each step, drawn by (seed, step)
             rng = random.Random(f"{self.seed}-{step}")
             pairs = [number_pair(corpora.sample_training_number(rng, self.heldout_set)) for _ in range(self.batch_size)]
-            src, tgt = encode_pairs(self.tokenizer, [p[0] for p in pairs], [p[1] for p in pairs], self.max_len)
+            src, tgt = encode_pairs(self.tokenizer, [p[0] for p in pairs], [p[1] for p in pairs], self.max_len,
+                                    self.source_tokenizer)
         else:
             rows = length_grouped_rows(self.by_length, self.batch_size, step_generator(self.seed, step))
             src, tgt = [self.train_src[i] for i in rows], [self.train_tgt[i] for i in rows]
-        return collate(self.tokenizer, src, tgt)
+        return collate(self.tokenizer, src, tgt, self.source_tokenizer)
 
     def loss(self, model, batch: dict[str, Tensor]) -> Tensor:
         logits = model(batch["src_ids"], batch["tgt_ids"], batch["src_mask"])    # (B, T, V)
@@ -205,16 +229,18 @@ class TranslateTask:
         return int(batch["src_mask"].sum()) + int((batch["labels"] != IGNORE).sum())
 
     def evaluate(self, model) -> dict[str, float]:
-        s = score(model, self.tokenizer, *self.val, self.max_len, limit=self.eval_sentences)
+        s = score(model, self.tokenizer, *self.val, self.max_len, limit=self.eval_sentences,
+                  source_tokenizer=self.source_tokenizer)
         return {"val_loss": s["val_loss"], "val_bleu": s["bleu"], "val_chrf": s["chrf"],
                 "val_exact_match": s["exact_match"]}
 
     def sample(self, model) -> str:
         sources = self.val[0][:2]
-        return "\n".join(f"{s}  ->  {t}" for s, t in zip(sources, translate(model, self.tokenizer, sources, 1, self.max_len)))
+        hyps = translate(model, self.tokenizer, sources, 1, self.max_len, source_tokenizer=self.source_tokenizer)
+        return "\n".join(f"{s}  ->  {t}" for s, t in zip(sources, hyps))
 
     def meta(self) -> dict[str, Any]:
-        return {"max_len": self.max_len, "label_smoothing": self.label_smoothing,
+        return {"max_len": self.max_len, "label_smoothing": self.label_smoothing, "separate_vocab": self.separate_vocab,
                 "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
                             "heldout_numbers": self.heldout_numbers}}
 
