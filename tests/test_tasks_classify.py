@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from tformer.cli import main
 from tformer.data import split_rows
@@ -163,3 +164,19 @@ def test_wordpiece_tokenizer_is_uncased_and_a_file_is_used_as_is(tmp_path, capsy
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "nope.json" in err and "tokenizer.json" in err and not (tmp_path / "run").exists()
+
+
+def test_freeze_embeddings_keeps_the_pretrained_tables_and_trains_the_rest(trained, tmp_path):
+    """--init RUN --freeze-embeddings: the embedding tables come out bit-identical, every other
+    weight moves, and the run records the setting."""
+    from tformer.checkpoint import load
+
+    root, run = trained
+    out = tmp_path / "ft"
+    assert main(["train", "--task", "classify", "--data", str(root / "easy.csv"), "--init", str(run),
+                 "--freeze-embeddings", "--max-steps", "6", "--batch-size", "16", "--eval-every", "6",
+                 "--out", str(out), "--no-progress"]) == 0
+    before, after = load(run).encoder.state_dict(), load(out / "checkpoints" / "step-0000006").encoder.state_dict()
+    for name, t in before.items():
+        assert torch.equal(after[name], t) == name.startswith("embed."), name
+    assert json.loads((out / "best" / "config.json").read_text())["meta"]["freeze_embeddings"] is True

@@ -131,6 +131,9 @@ class ClassifyTask:
                             "(default: 0.1 from scratch, 0 with --init); small data sets overfit less")
         g.add_argument("--max-len", type=positive_int, default=None,
                        help=f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})")
+        g.add_argument("--freeze-embeddings", action="store_true", default=None,
+                       help="with --init: keep the pretrained embedding layer (token, position and segment tables, "
+                            "norm) fixed, so words seen in training do not drift away from words only met at test time")
 
     def __init__(self, args, tokenizer=None, init: str | None = None):
         self.args = args
@@ -152,6 +155,7 @@ class ClassifyTask:
         self.token_dropout = arg(args, "token_dropout", 0.0 if self.init is not None else 0.1)
         if not 0.0 <= self.token_dropout < 1.0:
             raise ConfigError(f"--token-dropout {self.token_dropout} must be in [0, 1)")
+        self.freeze_embeddings = bool(arg(args, "freeze_embeddings", False))
         self.pooling = arg(args, "pooling", "mean" if self.init is not None and _mean_pooled(self.init) else "first")
         self.pretrained = None
         if init is not None and tokenizer is None:
@@ -183,6 +187,7 @@ class ClassifyTask:
             cfg = cfg.replace(**dropout_overrides(self.args))
             model = EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
             model.encoder.load_state_dict(encoder.state_dict())
+            model.encoder.embed.requires_grad_(not self.freeze_embeddings)  # frozen: the optimizer skips them
             return model
         cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
                            pad_token_id=self.tokenizer.pad_id)
@@ -216,7 +221,7 @@ class ClassifyTask:
 
     def meta(self) -> dict[str, Any]:
         return {"labels": self.label_names, "max_len": self.max_len, "init": self.init, "pooling": self.pooling,
-                "token_dropout": self.token_dropout,
+                "token_dropout": self.token_dropout, "freeze_embeddings": self.freeze_embeddings,
                 "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
                             "text_column": self.columns[0], "label_column": self.columns[1]}}
 
