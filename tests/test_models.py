@@ -74,6 +74,21 @@ def test_encoder_output_is_the_same_inside_a_padded_batch(positional, norm_posit
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("positional", ["learned", "rope"])
+def test_packed_inference_equals_the_padded_computation(positional):
+    """In eval mode a padded batch runs its token-wise layers on the real tokens only (masks.Packing);
+    the output equals the plain padded forward (train mode, dropout 0, which never packs) for left and
+    right padding and a row that is all padding; padded positions are 0 in both."""
+    enc = build(Encoder, positional=positional, n_layers=3)
+    batch = ids(4, 9, seed=3)
+    mask = torch.tensor([[1] * 5 + [0] * 4, [0] * 2 + [1] * 7, [1] * 9, [0] * 9])
+    with torch.no_grad():
+        packed = enc.eval()(batch, mask)
+        plain = enc.train()(batch, mask)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
+    assert (packed[~mask.bool()] == 0).all()
+
+
 def test_fully_padded_sequence_gives_no_nan():
     with torch.no_grad():
         out = build(Encoder)(ids(2, 5), torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]]))
@@ -181,8 +196,9 @@ def test_cache_reorder_selects_rows():
 def loss_of(model, head, batch):
     if isinstance(model, EncoderClassifier):
         return F.cross_entropy(model(batch["x"], batch["mask"]), batch["label"])
-    if isinstance(model, Encoder):                       # token tagging through a tiny head
-        return F.cross_entropy(head(model(batch["x"], batch["mask"])).flatten(0, 1), batch["tags"].flatten())
+    if isinstance(model, Encoder):                       # token tagging through a tiny head (real tokens only)
+        tags = batch["tags"].masked_fill(batch["mask"] == 0, -100)
+        return F.cross_entropy(head(model(batch["x"], batch["mask"])).flatten(0, 1), tags.flatten())
     if isinstance(model, Decoder):
         return F.cross_entropy(model(batch["x"][:, :-1]).flatten(0, 1), batch["x"][:, 1:].flatten())
     logits = model(batch["x"], batch["tgt"][:, :-1], batch["mask"])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dropout import dropout
-from .masks import causal_mask
+from .masks import Packing, causal_mask
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -143,10 +143,12 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | CrossKVCache | None = None,
-                is_causal: bool = False, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                is_causal: bool = False, need_weights: bool = False,
+                packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
         """x: (B, T_q, D); context: (B, T_k, D) for cross-attention. Returns (out (B, T_q, D),
-        α (B, H, T_q, T_k) or None). `is_causal` asks for the causal mask without building it."""
-        B, T, _ = x.shape
+        α (B, H, T_q, T_k) or None). `is_causal` asks for the causal mask without building it.
+        With `packing` (self-attention), x and the output hold only the real tokens: (N, D)."""
+        B, T = packing.shape if packing is not None else x.shape[:2]
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads)                       # (B, H, T_q, hd)
             if cache is not None and cache.k is not None:
@@ -157,7 +159,10 @@ class MultiHeadAttention(nn.Module):
                     cache.k, cache.v = k, v
         else:
             kv_dim = self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+            qkv = self.qkv_proj(x)
+            if packing is not None:
+                qkv = packing.unpack(qkv)                                        # (N, ·) -> (B, T, ·)
+            q, k, v = qkv.split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
             if self.rotary is not None:
                 q, k = self.rotary(q, positions), self.rotary(k, positions)
@@ -172,6 +177,8 @@ class MultiHeadAttention(nn.Module):
         else:
             out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal), None
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)     # concat heads: (B, T_q, H*hd)
+        if packing is not None:
+            out = packing.pack(out)                                              # (B, T, ·) -> (N, ·)
         return self.out_proj(out), weights
 
     def _heads(self, x: Tensor, n: int) -> Tensor:

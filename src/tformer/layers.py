@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import CrossKVCache, KVCache, MultiHeadAttention
+from .masks import Packing
 from .config import ModelConfig
 from .dropout import Dropout
 
@@ -98,12 +99,13 @@ class EncoderLayer(nn.Module):
         self.ffn_residual = residual(cfg)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None,
-                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, D), or (N, D) real tokens only with `packing` (see masks.Packing)."""
         weights = None
 
         def attend(h: Tensor) -> Tensor:
             nonlocal weights
-            h, weights = self.attn(h, mask=mask, positions=positions, need_weights=need_weights)
+            h, weights = self.attn(h, mask=mask, positions=positions, need_weights=need_weights, packing=packing)
             return h
 
         x = self.attn_residual(x, attend)

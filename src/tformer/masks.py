@@ -41,3 +41,24 @@ def combine(*masks: Tensor | None) -> Tensor | None:
     for m in present[1:]:
         mask = mask & m
     return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+class Packing:
+    """The real tokens of a padded batch, for running the token-wise layers (projections, FFN,
+    norms: most of an encoder's work) on them alone. Attention unpacks to (B, T, ·) rows, with
+    zeros at the padding (masked as keys; outputs at padded queries are dropped), and repacks.
+
+        (B, T, D)  --pack-->  (N, D), N = number of 1s in the HF attention_mask  --unpack--> (B, T, D)
+    """
+
+    def __init__(self, attention_mask: Tensor):
+        self.shape = attention_mask.shape                                        # (B, T)
+        self.index = attention_mask.flatten().nonzero().squeeze(1)               # (N,) positions of real tokens
+
+    def pack(self, x: Tensor) -> Tensor:
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        full = x.new_zeros(self.shape[0] * self.shape[1], x.size(-1))
+        return full.index_copy_(0, self.index, x).view(*self.shape, x.size(-1))
+

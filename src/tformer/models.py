@@ -23,7 +23,7 @@ from .dropout import Dropout
 from .errors import ConfigError
 from .generation import GenerationMixin
 from .layers import DecoderLayer, EncoderLayer, column_major, make_norm
-from .masks import causal_mask, combine, padding_mask
+from .masks import Packing, causal_mask, combine, padding_mask
 from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
 
@@ -115,11 +115,21 @@ class Encoder(nn.Module):
         positions = default_positions(input_ids.size(1), 0, input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)                    # (B, T, D)
         mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False, device=input_ids.device)
+        # Inference on a padded batch: the layers' token-wise work runs on the real tokens only
+        # (padding is wasted work; the real tokens' outputs are the same). Padded positions output 0.
+        packing = None
+        if attention_mask is not None and not self.training and not return_attention and not bool(attention_mask.all()):
+            packing = Packing(attention_mask)
+            x = packing.pack(x)                                                  # (N real tokens, D)
         attentions = []
         for layer in self.layers:
-            x, weights = layer(x, mask, positions, need_weights=return_attention)
+            x, weights = layer(x, mask, positions, need_weights=return_attention, packing=packing)
             attentions.append(weights)
         x = self.norm(x)
+        if packing is not None:
+            x = packing.unpack(x)                                                # (B, T, D)
+        elif attention_mask is not None:
+            x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)           # the same 0s without packing
         return (x, attentions) if return_attention else x
 
 
