@@ -195,11 +195,12 @@ def test_ctrl_c_saves_and_exits_cleanly(data, tmp_path):
     assert step >= 1 and isinstance(tformer.load(run), tformer.Decoder)
 
 
-def test_torchrun_two_processes_match_one(data, tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_torchrun_two_processes_match_one(sharding, data, tmp_path):
     flags = ["--data", data, *SMALL, "--max-steps", "3"]
     one = train([*flags, "--out", str(tmp_path / "one")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "tformer", "train", *flags, "--out", str(tmp_path / "two")]
+           "-m", "tformer", "train", *flags, *sharding, "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     w1, w2 = weights(one["run_dir"]), weights(str(tmp_path / "two"))
