@@ -54,7 +54,7 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     """The formula in plain ops and in the input's dtype: the fast way to *train* in bf16 on a CPU.
     PyTorch's CPU flash kernel has a slow backward pass; here one baddbmm computes the scaled scores
     plus the mask (0 or -inf) and the softmax and αV follow: 2x faster than the flash kernel, forward
-    + backward, at nanoGPT's shape (BENCHMARKS.md, "Training")."""
+    + backward, at nanoGPT's shape (BENCHMARKS.md, "Performance")."""
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     B, H, t_q, hd = q.shape
     t_k = k.size(-2)

@@ -122,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.attn = self_attention(cfg, rotary)
         self.attn_residual = residual(cfg)
         if cross:
-            self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.attention_dropout,
-                                                 cross=True)
+            self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias,
+                                                 cfg.attention_dropout, cross=True)
             self.cross_residual = residual(cfg)
         else:
             self.cross_attn = None
@@ -159,7 +159,7 @@ def column_major(weight: nn.Parameter) -> None:
     """Store a linear layer's (out, in) weight column-major: as the contiguous (in, out) matrix seen
     transposed (the layout of HF GPT-2's Conv1D). Same values and shape; but a one-token forward on
     a CPU (a matrix-vector product) then reads the weights ~1.3x (layers) to ~1.9x (a 50k-word output
-    layer) faster in fp32 (BENCHMARKS.md, "Decode"). load_state_dict and .to() keep the layout."""
+    layer) faster in fp32 (BENCHMARKS.md, "Performance"). load_state_dict and .to() keep the layout."""
     if weight.is_contiguous():
         weight.data = weight.data.t().contiguous().t()
 

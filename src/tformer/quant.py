@@ -32,7 +32,7 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     """(N, K) float -> (q (N, K) int8, scales (N,) float32), symmetric per output channel."""
     w = weight.detach().float()
     scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127                         # (N,)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # row-major: the kernel reads rows
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # row-major, for the kernel
     return q, scales
 
 
