@@ -11,17 +11,22 @@ from tformer import corpora
 from tformer.cli import main
 
 
+def miniature_run(root, *extra: str) -> list[str]:
+    """Writes 30 number pairs to root/numbers.tsv; the flags of a 150-step tiny translate run on them."""
+    data = root / "numbers.tsv"
+    data.write_text("".join("\t".join(corpora.number_pair(n)) + "\n" for n in range(1, 31)), encoding="utf-8")
+    return ["train", "--task", "translate", "--data", str(data), "--preset", "tiny", "--vocab-size", "300", *extra,
+            "--max-steps", "150", "--batch-size", "32", "--lr", "3e-3", "--warmup", "10", "--eval-every", "150",
+            "--val-fraction", "0.1", "--label-smoothing", "0.0", "--out", str(root / "run"), "--no-progress"]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("translate")
-    data = root / "numbers.tsv"
-    data.write_text("".join("\t".join(corpora.number_pair(n)) + "\n" for n in range(1, 31)), encoding="utf-8")
     run = root / "run"
-    rc = main(["train", "--task", "translate", "--data", str(data), "--preset", "tiny", "--vocab-size", "300",
-               "--max-steps", "150", "--batch-size", "32", "--lr", "3e-3", "--warmup", "10", "--eval-every", "150",
-               "--val-fraction", "0.1", "--label-smoothing", "0.0", "--out", str(run), "--no-progress"])
+    rc = main(miniature_run(root))
     assert rc == 0
-    return data, run
+    return root / "numbers.tsv", run
 
 
 def test_pipeline_learns_the_training_pairs(trained, capsys):
@@ -78,17 +83,12 @@ def test_numbers_batches_are_pure_and_avoid_heldout():
 def trained_separate(tmp_path_factory):
     """The same miniature run with one BPE vocabulary per language, interrupted at step 100 and resumed."""
     root = tmp_path_factory.mktemp("translate-separate")
-    data = root / "numbers.tsv"
-    data.write_text("".join("\t".join(corpora.number_pair(n)) + "\n" for n in range(1, 31)), encoding="utf-8")
     run = root / "run"
-    flags = ["train", "--task", "translate", "--data", str(data), "--preset", "tiny", "--vocab-size", "300",
-             "--separate-vocab", "--max-steps", "150", "--batch-size", "32", "--lr", "3e-3", "--warmup", "10",
-             "--eval-every", "150", "--val-fraction", "0.1", "--label-smoothing", "0.0", "--out", str(run),
-             "--no-progress"]
+    flags = miniature_run(root, "--separate-vocab")
     assert main(flags + ["--stop-at", "100"]) == 0
     first = (run / "checkpoints" / "step-0000100" / "source_tokenizer.json").read_bytes()
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
-    return data, run, first
+    return root / "numbers.tsv", run, first
 
 
 def test_separate_vocabularies_are_saved_and_each_fits_its_language(trained_separate):
