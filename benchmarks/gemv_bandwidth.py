@@ -1,9 +1,11 @@
-"""How fast PyTorch's CPU matrix-vector products read weights, against a plain sum of memory.
+"""How fast the CPU kernels for decoding-sized products read weights, against a plain sum of memory.
 
-Decoding one token at batch 1 multiplies a vector by every weight matrix once, so its speed is
-the GEMV kernel's read speed. This times the 48 layer matrices of GPT-2 small (cold: 340 MB in
-fp32, larger than the caches) in both layouts, and batch 8 against batch 1 (BENCHMARKS.md,
-"Reading the tables"). Run: python benchmarks/gemv_bandwidth.py
+Decoding one token multiplies a few rows (batch 1 or 8) by every weight matrix once, so its speed
+is the kernel's read speed. Part 1 times the 48 layer matrices of GPT-2 small (cold: 340 MB in
+fp32, larger than the caches) three ways: F.linear (PyTorch's default: MKL / oneDNN unpacked),
+tformer's split product and its oneDNN-packed weights (tformer.linear). Part 2 times one small
+model's matrices per call, which sets where splitting and packing start to pay (SPLIT_MIN,
+PACK_MIN in tformer/linear.py). Run: python benchmarks/gemv_bandwidth.py
 """
 
 import time
@@ -11,11 +13,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12   # qkv, out, up, down per layer
+from tformer.linear import Packed, split_linear
+
+GPT2 = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12   # qkv, out, up, down per layer
 
 
 def timed(fn, repeats: int = 10) -> float:
-    for _ in range(2):
+    for _ in range(3):
         fn()
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -23,19 +27,37 @@ def timed(fn, repeats: int = 10) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def kernels(weights: list[torch.Tensor], rows: int) -> dict:
+    """name -> function(x, w) for each way of multiplying; packed weights are made here, once."""
+    packed = {id(w): Packed(w, rows) for w in weights}
+    ways = {"F.linear": F.linear,
+            "packed (oneDNN)": lambda x, w: packed[id(w)](x, w, None)}
+    if weights[0].dtype == torch.float32 and torch.get_num_threads() > 1:
+        ways["split (bmm)"] = lambda x, w: split_linear(x, w, None, torch.get_num_threads())
+    return ways
+
+
 def main() -> None:
     torch.manual_seed(0)
+    print(f"{torch.get_num_threads()} threads")
     big = torch.randn(256 * 2**20 // 4)
     print(f"sum of 256 MiB: {big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9:.1f} GB/s")
-    for dtype in (torch.float32, torch.bfloat16):
-        rows = [torch.randn(o, i, dtype=dtype) for o, i in SHAPES]
-        cols = [w.t().contiguous().t() for w in rows]                    # same values, column-major
-        nbytes = sum(w.numel() * w.element_size() for w in rows)
-        for batch in (1, 8):
-            x = {n: torch.randn(batch, n, dtype=dtype) for n in (768, 3072)}
-            for name, ws in (("row-major", rows), ("column-major", cols)):
-                s = timed(lambda: [F.linear(x[w.size(1)], w) for w in ws])
-                print(f"{str(dtype)[6:]:9} batch {batch}  {name:13} {s * 1e3:6.1f} ms  {nbytes / s / 1e9:5.1f} GB/s")
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            weights = [torch.randn(o, i, dtype=dtype) for o, i in GPT2]
+            nbytes = sum(w.numel() * w.element_size() for w in weights)
+            for rows in (1, 8):
+                x = {n: torch.randn(rows, n, dtype=dtype) for n in (768, 3072)}
+                for name, fn in kernels(weights, rows).items():
+                    s = timed(lambda: [fn(x[w.size(1)], w) for w in weights])
+                    print(f"GPT-2 {str(dtype)[6:]:9} batch {rows}  {name:16} {s * 1e3:6.1f} ms  {nbytes / s / 1e9:5.1f} GB/s")
+        for d in (128, 256, 512):
+            weights = [torch.randn(o, i) for o, i in [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * 4]
+            x = {n: torch.randn(1, n) for n in (d, 4 * d)}
+            per_call = {name: timed(lambda: [fn(x[w.size(1)], w) for w in weights], 100) / len(weights) * 1e6
+                        for name, fn in kernels(weights, 1).items()}
+            print(f"4 layers of width {d} fp32 batch 1, µs per matrix: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in per_call.items()))
 
 
 if __name__ == "__main__":

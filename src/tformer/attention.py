@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dropout import dropout
+from .linear import Linear
 from .masks import Packing, causal_mask
 
 
@@ -135,11 +136,11 @@ class MultiHeadAttention(nn.Module):
         self.cross, self.dropout, self.rotary = cross, dropout, rotary
         q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = nn.Linear(d_model, q_dim, bias=bias)
-            self.kv_proj = nn.Linear(d_model, 2 * kv_dim, bias=bias)
+            self.q_proj = Linear(d_model, q_dim, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * kv_dim, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
-        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
+            self.qkv_proj = Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out_proj = Linear(q_dim, d_model, bias=bias)
 
     def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | CrossKVCache | None = None,

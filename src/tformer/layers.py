@@ -19,6 +19,7 @@ from .attention import CrossKVCache, KVCache, MultiHeadAttention
 from .masks import Packing
 from .config import ModelConfig
 from .dropout import Dropout
+from .linear import Linear
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -43,8 +44,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gated = activation == "swiglu"
         self.act = F.silu if self.gated else ACTIVATIONS[activation]
-        self.up = nn.Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
-        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.up = Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
+        self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -154,25 +155,3 @@ class DecoderLayer(nn.Module):
         x = self.ffn_residual(x, self.ffn)
         return x, weights, cross_weights
 
-
-def column_major(weight: nn.Parameter) -> None:
-    """Store a linear layer's (out, in) weight column-major: as the contiguous (in, out) matrix seen
-    transposed (the layout of HF GPT-2's Conv1D). Same values and shape; but a one-token forward on
-    a CPU (a matrix-vector product) then reads the weights ~1.3x (layers) to ~1.9x (a 50k-word output
-    layer) faster in fp32 (BENCHMARKS.md, "Performance"). load_state_dict and .to() keep the layout."""
-    if weight.is_contiguous():
-        weight.data = weight.data.t().contiguous().t()
-
-
-def decode_layout(model: nn.Module) -> None:
-    """Before generating on a CPU: fp32 linear weights column-major (see column_major), bf16 ones
-    row-major, which oneDNN's bf16 matrix-vector product reads ~9% faster. Values do not change;
-    an fp32 model built by tformer is already laid out, so this usually does nothing."""
-    for m in model.modules():
-        w = m.weight if isinstance(m, nn.Linear) else None
-        if w is None or w.device.type != "cpu" or w.dim() != 2 or min(w.shape) == 1:
-            continue
-        if w.dtype == torch.float32:
-            column_major(w)
-        elif not w.is_contiguous():
-            w.data = w.data.contiguous()

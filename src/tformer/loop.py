@@ -88,7 +88,7 @@ class Trainer:
 
             if self.dist.world == 1 and not torch.distributed.is_initialized():
                 raise CheckpointError("--fsdp needs torchrun (e.g. torchrun --nproc_per_node 2 -m tformer train ...)")
-            for p in model.parameters():  # FSDP2 shards contiguous tensors only (see layers.column_major)
+            for p in model.parameters():  # FSDP2 shards contiguous tensors only
                 p.data = p.data.contiguous()
             for layer in (m for m in model.modules() if type(m).__name__.endswith("Layer")):
                 fully_shard(layer)

@@ -22,7 +22,8 @@ from .config import ModelConfig
 from .dropout import Dropout
 from .errors import ConfigError
 from .generation import GenerationMixin
-from .layers import DecoderLayer, EncoderLayer, column_major, make_norm
+from .layers import DecoderLayer, EncoderLayer, make_norm
+from .linear import Linear
 from .masks import Packing, causal_mask, combine, padding_mask
 from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 
@@ -92,8 +93,6 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(m.weight)
-        if isinstance(m, nn.Linear):
-            column_major(m.weight)
 
 
 class Encoder(nn.Module):
@@ -167,7 +166,7 @@ class EncoderClassifier(nn.Module):
         self.pool = POOLINGS[pooling]
         self.encoder = Encoder(cfg)
         self.dropout = Dropout(cfg.dropout)
-        self.head = nn.Linear(cfg.d_model, num_labels)
+        self.head = Linear(cfg.d_model, num_labels)
         nn.init.normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
 
@@ -233,11 +232,10 @@ class Decoder(GenerationMixin, nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stack = DecoderStack(cfg, cfg.n_layers, cross=False)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         init_weights(self, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.stack.embed.token.weight
-        column_major(self.lm_head.weight)                # tied or not (a no-op when already done)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: Cache | None = None, return_attention: bool = False):
@@ -266,11 +264,10 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model) if cfg.src_vocab_size else None
         self.encoder = Encoder(cfg, token_embedding=self.src_embed if self.src_embed is not None else self.shared)
         self.decoder = DecoderStack(cfg, cfg.decoder_layers, cross=True, token_embedding=self.shared)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         init_weights(self, cfg.n_layers + cfg.decoder_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
-        column_major(self.lm_head.weight)                # tied or not (a no-op when already done)
 
     def encode(self, src_ids: Tensor, src_mask: Tensor | None = None, return_attention: bool = False):
         """(B, S) source ids -> memory (B, S, D)."""

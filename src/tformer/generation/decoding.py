@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..layers import decode_layout
+from ..linear import plan_decoding
 from ..masks import combine, padding_mask
 from .processors import greedy, process_logits, sample
 from .stepper import Stepper
@@ -236,7 +236,7 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
     HF: repetition_penalty ignores the ids under left padding (HF penalises them too)."""
     s = make_settings(model, **kwargs)
     generator = _generator(generator, seed, input_ids.device) if s.do_sample else None
-    decode_layout(model)
+    plan_decoding(model, input_ids.size(0) * max(s.num_beams, s.num_return_sequences))
     with torch.inference_mode():
         if s.num_beams > 1:
             if streamer is not None:
@@ -255,7 +255,7 @@ def stream(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, ge
     s = make_settings(model, **kwargs)
     if s.num_beams > 1:
         raise ConfigError("num_beams > 1 cannot be streamed (beams are only final at the end); use generate()")
-    decode_layout(model)
+    plan_decoding(model, input_ids.size(0) * s.num_return_sequences)
     with torch.inference_mode():
         p = prepare(model, input_ids, attention_mask, s, s.num_return_sequences)
     return _inference(sample_steps(p, s, _generator(generator, seed, input_ids.device)))

@@ -1,0 +1,110 @@
+"""The linear layer, y = x Wᵀ + b, and how a CPU runs it fast while generating.
+
+`Linear` is `nn.Linear` (same parameters, same state-dict names, same result) with one addition
+for decoding on a CPU. Each decoding step multiplies a few rows (one per sequence) by every weight
+matrix once, so its speed is how fast the kernel reads the weights. PyTorch's default CPU kernels
+for so few rows (MKL's matrix-vector and small-M products) use one core here and read fp32 weights
+at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`). Two remedies,
+chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
+
+- packed (large matrices, fp32 and bf16): oneDNN multiplies by a copy of the weight laid out for
+  its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost per call
+  (~25 µs) is more than small matrices take.
+- split (smaller fp32 matrices): the output features are cut into one slice per thread and the
+  slices run as one batched product (`torch.bmm`), which PyTorch spreads over the threads.
+
+A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows, and only while the
+weight is the one it was made for (same storage, dtype and version counter): an optimizer step or
+load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
+again. Plans are held outside the module (state_dict, deepcopy and .to() never see them) until the
+layer is deleted; a packed plan costs one more copy of its weight in memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
+SPLIT_MIN = 1 << 17         # weights per matrix from which splitting pays (fp32) ...
+PACK_MIN = 1 << 19          # ... and from which packing pays more (benchmarks/gemv_bandwidth.py)
+
+_plans: weakref.WeakKeyDictionary[nn.Module, "Plan"] = weakref.WeakKeyDictionary()
+
+
+def _version(w: Tensor) -> tuple:
+    """What identifies a weight's current values: storage, dtype, and how often it changed in place."""
+    return w.data_ptr(), w.dtype, -1 if w.is_inference() else w._version
+
+
+class Plan:
+    """How one layer multiplies during decoding; valid while the weight is the one it was made for."""
+
+    def __init__(self, weight: Tensor, rows: int):
+        self.version, self.rows = _version(weight), rows
+
+
+class Packed(Plan):
+    def __init__(self, weight: Tensor, rows: int):
+        super().__init__(weight, rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.size(-1))
+
+
+class Split(Plan):
+    def __init__(self, weight: Tensor, rows: int):
+        super().__init__(weight, rows)
+        self.parts = torch.get_num_threads()
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return split_linear(x, weight, bias, self.parts)
+
+
+def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
+    """F.linear(x, weight, bias) with the output features cut into `parts` equal slices that
+    torch.bmm runs in parallel. weight: (out, in), row-major, out divisible by `parts`."""
+    out, n_in = weight.shape
+    x2 = x.reshape(-1, n_in).expand(parts, -1, -1)                               # (P, M, in), no copy
+    w = weight.view(parts, out // parts, n_in).transpose(1, 2)                   # (P, in, out/P)
+    y = torch.bmm(x2, w) if bias is None else torch.baddbmm(bias.view(parts, 1, -1), x2, w)   # (P, M, out/P)
+    return y.transpose(0, 1).reshape(*x.shape[:-1], out)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that follows its decoding plan (see the module docstring) when one is valid."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        plan = _plans.get(self)
+        if (plan is not None and not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * self.in_features
+                and x.dtype == self.weight.dtype and plan.version == _version(self.weight)):
+            return plan(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def plan(self, rows: int) -> Plan | None:
+        """Choose and make the plan for products with about `rows` rows (kept while valid)."""
+        w, threads = self.weight, torch.get_num_threads()
+        old = _plans.get(self)
+        if old is not None and old.version == _version(w) and old.rows == rows:
+            return old
+        _plans.pop(self, None)
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if w.numel() >= PACK_MIN and torch.backends.mkldnn.is_available():
+            _plans[self] = Packed(w, rows)
+        elif (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and threads > 1 and w.is_contiguous()
+              and w.size(0) % threads == 0):
+            _plans[self] = Split(w, rows)
+        return _plans.get(self)
+
+
+def plan_decoding(model: nn.Module, rows: int) -> int:
+    """Plan every Linear of `model` for decoding steps of `rows` rows (batch × beams or samples per
+    prompt). Returns how many layers have a plan."""
+    rows = max(1, min(rows, MAX_ROWS))
+    return sum(m.plan(rows) is not None for m in model.modules() if isinstance(m, Linear))

@@ -1,0 +1,158 @@
+"""tformer.linear: Linear is nn.Linear; its decoding plans (packed oneDNN weights, split products)
+give F.linear's result, are used only where they apply, and never outlive the weights they were made for."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer import linear
+from tformer.linear import Linear, Packed, Split, plan_decoding, split_linear
+
+needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def layer(n_in, n_out, dtype=torch.float32, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return Linear(n_in, n_out, bias=bias).to(dtype)
+
+
+def counting(monkeypatch, cls):
+    calls = []
+    original = cls.__call__
+
+    def spy(self, *args):
+        calls.append(cls.__name__)
+        return original(self, *args)
+    monkeypatch.setattr(cls, "__call__", spy)
+    return calls
+
+
+def test_linear_is_nn_linear_with_the_same_state_dict_and_result():
+    ours, ref = layer(24, 40), nn.Linear(24, 40)
+    ref.load_state_dict(ours.state_dict())
+    assert isinstance(ours, nn.Linear) and list(ours.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 5, 24)
+    assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 96), (8, 96), (96,)])
+def test_split_linear_equals_f_linear(parts, bias, shape):
+    torch.manual_seed(parts)
+    w, b, x = torch.randn(120, 96), torch.randn(120) if bias else None, torch.randn(shape)
+    torch.testing.assert_close(split_linear(x, w, b, parts), F.linear(x, w, b))
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
+    calls = counting(monkeypatch, Packed)
+    m = layer(768, 1024, dtype)                                   # 786k weights: packed
+    assert plan_decoding(m, rows) == 1 and isinstance(linear._plans[m], Packed)
+    x = torch.randn(rows, 1, 768, dtype=dtype)
+    with torch.inference_mode():
+        y = m(x)
+    assert calls == ["Packed"]
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), **tol)
+
+
+def test_split_plan_for_mid_sized_fp32_and_none_where_it_does_not_pay(monkeypatch, two_threads):
+    calls = counting(monkeypatch, Split)
+    mid = layer(256, 768)                                         # 196k weights: split
+    assert plan_decoding(mid, 1) == 1 and isinstance(linear._plans[mid], Split)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(mid(x), F.linear(x, mid.weight, mid.bias))
+    assert calls == ["Split"]
+    assert plan_decoding(layer(32, 96), 1) == 0                   # tiny: F.linear is fastest
+    assert plan_decoding(layer(256, 767), 1) == 0                 # 767 outputs do not split in 2
+    assert plan_decoding(layer(256, 768, torch.bfloat16), 1) == 0  # bf16 products are threaded already
+
+
+def test_split_needs_more_than_one_thread():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert plan_decoding(layer(256, 768), 1) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_mkldnn
+def test_plans_are_skipped_with_gradients_or_many_rows(monkeypatch):
+    calls = counting(monkeypatch, Packed)
+    m = layer(768, 1024)
+    plan_decoding(m, 1)
+    x = torch.randn(1, 768, requires_grad=True)
+    m(x).sum().backward()                                         # training: the plan must not be used
+    assert m.weight.grad is not None and x.grad is not None
+    with torch.no_grad():
+        m(torch.randn(linear.MAX_ROWS + 1, 768))
+    assert calls == []
+
+
+@needs_mkldnn
+def test_a_changed_weight_never_uses_a_stale_plan(monkeypatch):
+    calls = counting(monkeypatch, Packed)
+    m = layer(768, 1024)
+    plan_decoding(m, 1)
+    x = torch.randn(1, 768)
+    with torch.no_grad():
+        m.weight.mul_(2)                                          # in place: the version counter moves
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
+        m.load_state_dict(layer(768, 1024, seed=1).state_dict())
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
+        m.to(torch.bfloat16)
+        xb = x.bfloat16()
+        torch.testing.assert_close(m(xb), F.linear(xb, m.weight, m.bias))
+    assert calls == []
+    plan_decoding(m, 1)                                           # planning again picks the new weights up
+    with torch.no_grad():
+        torch.testing.assert_close(m(xb), F.linear(xb, m.weight, m.bias), atol=2e-2, rtol=2e-2)
+    assert calls == ["Packed"]
+
+
+@needs_mkldnn
+def test_planned_layers_deepcopy_and_replan_only_when_needed():
+    m = layer(768, 1024)
+    plan_decoding(m, 1)
+    plan = linear._plans[m]
+    twin = copy.deepcopy(m)                                       # the plan lives outside the module
+    assert torch.equal(twin.weight, m.weight) and twin not in linear._plans
+    plan_decoding(m, 1)
+    assert linear._plans[m] is plan                               # still valid: reused
+    plan_decoding(m, 8)
+    assert linear._plans[m] is not plan and linear._plans[m].rows == 8
+
+
+@needs_mkldnn
+def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads):
+    from tformer.config import ModelConfig
+    from tformer.models import Decoder
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=2048, d_model=256, n_heads=4, n_layers=2, max_seq_len=64, dropout=0.0)
+    model = Decoder(cfg).eval()
+    ids = torch.randint(0, 2048, (2, 12))
+    with torch.no_grad():
+        reference = model(ids)[:, -1]
+        assert plan_decoding(model, 2) == 2 * 3 + 1               # per layer qkv, up, down (not out: 256²); the output layer
+        assert {type(linear._plans[m]) for m in model.modules() if m in linear._plans} == {Packed, Split}
+        torch.testing.assert_close(model(ids)[:, -1], reference, atol=1e-4, rtol=1e-4)
+    planned = model.generate(ids, max_new_tokens=8)
+    monkeypatch.setattr("tformer.generation.decoding.plan_decoding", lambda model, rows: 0)
+    linear._plans.clear()
+    assert torch.equal(model.generate(ids, max_new_tokens=8), planned)
