@@ -60,9 +60,9 @@ def test_split_linear_equals_f_linear(parts, bias, shape):
 @pytest.mark.parametrize("rows", [1, 8])
 def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
     calls = counting(monkeypatch, Packed)
-    m = layer(768, 1024, dtype)                                   # 786k weights: packed
+    m = layer(1024, 1024, dtype)                                  # 1M weights: packed
     assert plan_decoding(m, rows) == 1 and isinstance(linear._plans[m], Packed)
-    x = torch.randn(rows, 1, 768, dtype=dtype)
+    x = torch.randn(rows, 1, 1024, dtype=dtype)
     with torch.inference_mode():
         y = m(x)
     assert calls == ["Packed"]
@@ -70,7 +70,7 @@ def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
     torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), **tol)
 
 
-def test_split_plan_for_mid_sized_fp32_and_none_where_it_does_not_pay(monkeypatch, two_threads):
+def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two_threads):
     calls = counting(monkeypatch, Split)
     mid = layer(256, 768)                                         # 196k weights: split
     assert plan_decoding(mid, 1) == 1 and isinstance(linear._plans[mid], Split)
@@ -79,15 +79,19 @@ def test_split_plan_for_mid_sized_fp32_and_none_where_it_does_not_pay(monkeypatc
         torch.testing.assert_close(mid(x), F.linear(x, mid.weight, mid.bias))
     assert calls == ["Split"]
     assert plan_decoding(layer(32, 96), 1) == 0                   # tiny: F.linear is fastest
-    assert plan_decoding(layer(256, 767), 1) == 0                 # 767 outputs do not split in 2
-    assert plan_decoding(layer(256, 768, torch.bfloat16), 1) == 0  # bf16 products are threaded already
+    for other in (layer(256, 767), layer(256, 768, torch.bfloat16)):    # 767 outputs do not split in 2; bf16
+        plan_decoding(other, 1)
+        assert isinstance(linear._plans[other], Packed)
 
 
+@needs_mkldnn
 def test_split_needs_more_than_one_thread():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert plan_decoding(layer(256, 768), 1) == 0
+        m = layer(256, 768)
+        plan_decoding(m, 1)
+        assert isinstance(linear._plans[m], Packed)
     finally:
         torch.set_num_threads(before)
 
@@ -95,26 +99,26 @@ def test_split_needs_more_than_one_thread():
 @needs_mkldnn
 def test_plans_are_skipped_with_gradients_or_many_rows(monkeypatch):
     calls = counting(monkeypatch, Packed)
-    m = layer(768, 1024)
+    m = layer(1024, 1024)
     plan_decoding(m, 1)
-    x = torch.randn(1, 768, requires_grad=True)
+    x = torch.randn(1, 1024, requires_grad=True)
     m(x).sum().backward()                                         # training: the plan must not be used
     assert m.weight.grad is not None and x.grad is not None
     with torch.no_grad():
-        m(torch.randn(linear.MAX_ROWS + 1, 768))
+        m(torch.randn(linear.MAX_ROWS + 1, 1024))
     assert calls == []
 
 
 @needs_mkldnn
 def test_a_changed_weight_never_uses_a_stale_plan(monkeypatch):
     calls = counting(monkeypatch, Packed)
-    m = layer(768, 1024)
+    m = layer(1024, 1024)
     plan_decoding(m, 1)
-    x = torch.randn(1, 768)
+    x = torch.randn(1, 1024)
     with torch.no_grad():
         m.weight.mul_(2)                                          # in place: the version counter moves
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
-        m.load_state_dict(layer(768, 1024, seed=1).state_dict())
+        m.load_state_dict(layer(1024, 1024, seed=1).state_dict())
         torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias))
         m.to(torch.bfloat16)
         xb = x.bfloat16()
@@ -128,7 +132,7 @@ def test_a_changed_weight_never_uses_a_stale_plan(monkeypatch):
 
 @needs_mkldnn
 def test_planned_layers_deepcopy_and_replan_only_when_needed():
-    m = layer(768, 1024)
+    m = layer(1024, 1024)
     plan_decoding(m, 1)
     plan = linear._plans[m]
     twin = copy.deepcopy(m)                                       # the plan lives outside the module
@@ -144,12 +148,12 @@ def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads)
     from tformer.config import ModelConfig
     from tformer.models import Decoder
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=2048, d_model=256, n_heads=4, n_layers=2, max_seq_len=64, dropout=0.0)
+    cfg = ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=2, max_seq_len=64, dropout=0.0)
     model = Decoder(cfg).eval()
-    ids = torch.randint(0, 2048, (2, 12))
+    ids = torch.randint(0, 4096, (2, 12))
     with torch.no_grad():
         reference = model(ids)[:, -1]
-        assert plan_decoding(model, 2) == 2 * 3 + 1               # per layer qkv, up, down (not out: 256²); the output layer
+        assert plan_decoding(model, 2) == 2 * 4 + 1               # per layer qkv, out, up, down (split); the output layer (packed)
         assert {type(linear._plans[m]) for m in model.modules() if m in linear._plans} == {Packed, Split}
         torch.testing.assert_close(model(ids)[:, -1], reference, atol=1e-4, rtol=1e-4)
     planned = model.generate(ids, max_new_tokens=8)

@@ -7,11 +7,12 @@ for so few rows (MKL's matrix-vector and small-M products) use one core here and
 at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`). Two remedies,
 chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 
-- packed (large matrices, fp32 and bf16): oneDNN multiplies by a copy of the weight laid out for
-  its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost per call
-  (~25 µs) is more than small matrices take.
-- split (smaller fp32 matrices): the output features are cut into one slice per thread and the
+- packed (large matrices; bf16 ones from mid size): oneDNN multiplies by a copy of the weight laid
+  out for its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost
+  per call (~25 µs) is more than small matrices take.
+- split (mid-sized fp32 matrices): the output features are cut into one slice per thread and the
   slices run as one batched product (`torch.bmm`), which PyTorch spreads over the threads.
+- neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
 A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows, and only while the
 weight is the one it was made for (same storage, dtype and version counter): an optimizer step or
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
-SPLIT_MIN = 1 << 17         # weights per matrix from which splitting pays (fp32) ...
-PACK_MIN = 1 << 19          # ... and from which packing pays more (benchmarks/gemv_bandwidth.py)
+SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...
+PACK_MIN = 1 << 20          # ... up to here, packed above (and for bf16); benchmarks/gemv_bandwidth.py
 
 _plans: weakref.WeakKeyDictionary[nn.Module, "Plan"] = weakref.WeakKeyDictionary()
 
@@ -95,11 +96,11 @@ class Linear(nn.Linear):
         _plans.pop(self, None)
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if w.numel() >= PACK_MIN and torch.backends.mkldnn.is_available():
-            _plans[self] = Packed(w, rows)
-        elif (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and threads > 1 and w.is_contiguous()
-              and w.size(0) % threads == 0):
+        if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
+                and w.size(0) % threads == 0):
             _plans[self] = Split(w, rows)
+        elif w.numel() >= SPLIT_MIN and torch.backends.mkldnn.is_available():
+            _plans[self] = Packed(w, rows)
         return _plans.get(self)
 
 
