@@ -61,7 +61,7 @@ def test_split_linear_equals_f_linear(parts, bias, shape):
 def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
     calls = counting(monkeypatch, Packed)
     m = layer(1024, 1024, dtype)                                  # 1M weights: packed
-    assert plan_decoding(m, rows) == 1 and isinstance(linear._plans[m], Packed)
+    assert plan_decoding(m, rows) == 1 and isinstance(m.plan, Packed)
     x = torch.randn(rows, 1, 1024, dtype=dtype)
     with torch.inference_mode():
         y = m(x)
@@ -73,7 +73,7 @@ def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
 def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two_threads):
     calls = counting(monkeypatch, Split)
     mid = layer(256, 768)                                         # 196k weights: split
-    assert plan_decoding(mid, 1) == 1 and isinstance(linear._plans[mid], Split)
+    assert plan_decoding(mid, 1) == 1 and isinstance(mid.plan, Split)
     x = torch.randn(1, 1, 256)
     with torch.no_grad():
         torch.testing.assert_close(mid(x), F.linear(x, mid.weight, mid.bias))
@@ -81,7 +81,7 @@ def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two
     assert plan_decoding(layer(32, 96), 1) == 0                   # tiny: F.linear is fastest
     for other in (layer(256, 767), layer(256, 768, torch.bfloat16)):    # 767 outputs do not split in 2; bf16
         plan_decoding(other, 1)
-        assert isinstance(linear._plans[other], Packed)
+        assert isinstance(other.plan, Packed)
 
 
 @needs_mkldnn
@@ -91,7 +91,7 @@ def test_split_needs_more_than_one_thread():
         torch.set_num_threads(1)
         m = layer(256, 768)
         plan_decoding(m, 1)
-        assert isinstance(linear._plans[m], Packed)
+        assert isinstance(m.plan, Packed)
     finally:
         torch.set_num_threads(before)
 
@@ -134,13 +134,13 @@ def test_a_changed_weight_never_uses_a_stale_plan(monkeypatch):
 def test_planned_layers_deepcopy_and_replan_only_when_needed():
     m = layer(1024, 1024)
     plan_decoding(m, 1)
-    plan = linear._plans[m]
-    twin = copy.deepcopy(m)                                       # the plan lives outside the module
-    assert torch.equal(twin.weight, m.weight) and twin not in linear._plans
+    plan = m.plan
+    twin = copy.deepcopy(m)                                       # a copy starts without a plan
+    assert torch.equal(twin.weight, m.weight) and twin.plan is None
     plan_decoding(m, 1)
-    assert linear._plans[m] is plan                               # still valid: reused
+    assert m.plan is plan                                         # still valid: reused
     plan_decoding(m, 8)
-    assert linear._plans[m] is not plan and linear._plans[m].rows == 8
+    assert m.plan is not plan and m.plan.rows == 8
 
 
 @needs_mkldnn
@@ -154,9 +154,11 @@ def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads)
     with torch.no_grad():
         reference = model(ids)[:, -1]
         assert plan_decoding(model, 2) == 2 * 4 + 1               # per layer qkv, out, up, down (split); the output layer (packed)
-        assert {type(linear._plans[m]) for m in model.modules() if m in linear._plans} == {Packed, Split}
+        assert {type(m.plan) for m in model.modules() if getattr(m, "plan", None)} == {Packed, Split}
         torch.testing.assert_close(model(ids)[:, -1], reference, atol=1e-4, rtol=1e-4)
     planned = model.generate(ids, max_new_tokens=8)
     monkeypatch.setattr("tformer.generation.decoding.plan_decoding", lambda model, rows: 0)
-    linear._plans.clear()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.plan = None
     assert torch.equal(model.generate(ids, max_new_tokens=8), planned)

@@ -15,15 +15,14 @@ chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
 A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows, and only while the
-weight is the one it was made for (same storage, dtype and version counter): an optimizer step or
+weight is the one it was made for (same storage, same version counter): an optimizer step or
 load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
-again. Plans are held outside the module (state_dict, deepcopy and .to() never see them) until the
-layer is deleted; a packed plan costs one more copy of its weight in memory.
+again. A plan is a plain attribute (`layer.plan`): state_dict and .to() never see it, a deepcopy
+starts without one. A packed plan costs one more copy of its weight in memory; any plan keeps the
+weight's storage alive until it is replaced.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -33,19 +32,21 @@ MAX_ROWS = 64               # decoding steps and short prompts; longer inputs ke
 SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...
 PACK_MIN = 1 << 20          # ... up to here, packed above (and for bf16); benchmarks/gemv_bandwidth.py
 
-_plans: weakref.WeakKeyDictionary[nn.Module, "Plan"] = weakref.WeakKeyDictionary()
-
-
-def _version(w: Tensor) -> tuple:
-    """What identifies a weight's current values: storage, dtype, and how often it changed in place."""
-    return w.data_ptr(), w.dtype, -1 if w.is_inference() else w._version
-
 
 class Plan:
-    """How one layer multiplies during decoding; valid while the weight is the one it was made for."""
+    """How one layer multiplies during decoding. Valid while its weight is the one it was made for
+    (same storage, same version counter); a copied module starts without one (see __deepcopy__)."""
 
     def __init__(self, weight: Tensor, rows: int):
-        self.version, self.rows = _version(weight), rows
+        self.rows, self.ptr, self.version = rows, weight.data_ptr(), weight._version
+        self.max_elems = MAX_ROWS * weight.size(1)
+
+    def usable(self, x: Tensor, weight: Tensor) -> bool:
+        return (not torch.is_grad_enabled() and x.dtype == weight.dtype and x.numel() <= self.max_elems
+                and weight.data_ptr() == self.ptr and weight._version == self.version)
+
+    def __deepcopy__(self, memo):
+        return None            # a copy gets its own plan when it generates (and oneDNN's tensors cannot be copied)
 
 
 class Packed(Plan):
@@ -53,7 +54,7 @@ class Packed(Plan):
         super().__init__(weight, rows)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], y.size(-1))
 
@@ -61,10 +62,14 @@ class Packed(Plan):
 class Split(Plan):
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
-        self.parts = torch.get_num_threads()
+        self.parts = p = torch.get_num_threads()
+        self.w = weight.detach().view(p, weight.size(0) // p, weight.size(1)).transpose(1, 2)   # (P, in, out/P)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return split_linear(x, weight, bias, self.parts)
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        x2 = x.reshape(-1, x.size(-1)).expand(self.parts, -1, -1)               # (P, M, in), no copy
+        y = (torch.bmm(x2, self.w) if bias is None                               # (P, M, out/P)
+             else torch.baddbmm(bias.view(self.parts, 1, -1), x2, self.w))
+        return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
 def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
@@ -78,34 +83,34 @@ def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> 
 
 
 class Linear(nn.Linear):
-    """nn.Linear that follows its decoding plan (see the module docstring) when one is valid."""
+    """nn.Linear that follows its decoding plan (see the module docstring) when one is usable."""
+
+    plan: Plan | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        plan = _plans.get(self)
-        if (plan is not None and not torch.is_grad_enabled() and x.numel() <= MAX_ROWS * self.in_features
-                and x.dtype == self.weight.dtype and plan.version == _version(self.weight)):
-            return plan(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        plan, w = self.plan, self.weight
+        if plan is not None and plan.usable(x, w):
+            return plan(x, self.bias)
+        return F.linear(x, w, self.bias)
 
-    def plan(self, rows: int) -> Plan | None:
+    def make_plan(self, rows: int) -> Plan | None:
         """Choose and make the plan for products with about `rows` rows (kept while valid)."""
-        w, threads = self.weight, torch.get_num_threads()
-        old = _plans.get(self)
-        if old is not None and old.version == _version(w) and old.rows == rows:
+        w, threads, old = self.weight, torch.get_num_threads(), self.plan
+        if old is not None and old.rows == rows and old.version == w._version and old.ptr == w.data_ptr():
             return old
-        _plans.pop(self, None)
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        self.plan = None
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
             return None
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
-            _plans[self] = Split(w, rows)
+            self.plan = Split(w, rows)
         elif w.numel() >= SPLIT_MIN and torch.backends.mkldnn.is_available():
-            _plans[self] = Packed(w, rows)
-        return _plans.get(self)
+            self.plan = Packed(w, rows)
+        return self.plan
 
 
 def plan_decoding(model: nn.Module, rows: int) -> int:
     """Plan every Linear of `model` for decoding steps of `rows` rows (batch × beams or samples per
     prompt). Returns how many layers have a plan."""
     rows = max(1, min(rows, MAX_ROWS))
-    return sum(m.plan(rows) is not None for m in model.modules() if isinstance(m, Linear))
+    return sum(m.make_plan(rows) is not None for m in model.modules() if isinstance(m, Linear))
