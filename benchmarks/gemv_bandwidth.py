@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tformer.linear import Packed, split_linear
+from tformer.linear import Packed, Split
 
 GPT2 = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12   # qkv, out, up, down per layer
 
@@ -28,12 +28,13 @@ def timed(fn, repeats: int = 10) -> float:
 
 
 def kernels(weights: list[torch.Tensor], rows: int) -> dict:
-    """name -> function(x, w) for each way of multiplying; packed weights are made here, once."""
+    """name -> function(x, w) for each way of multiplying; the plans are made here, once."""
     packed = {id(w): Packed(w, rows) for w in weights}
     ways = {"F.linear": F.linear,
-            "packed (oneDNN)": lambda x, w: packed[id(w)](x, w, None)}
+            "packed (oneDNN)": lambda x, w: packed[id(w)](x, None)}
     if weights[0].dtype == torch.float32 and torch.get_num_threads() > 1:
-        ways["split (bmm)"] = lambda x, w: split_linear(x, w, None, torch.get_num_threads())
+        split = {id(w): Split(w, rows) for w in weights}
+        ways["split (bmm)"] = lambda x, w: split[id(w)](x, None)
     return ways
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads")
     big = torch.randn(256 * 2**20 // 4)
     print(f"sum of 256 MiB: {big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9:.1f} GB/s")
-    with torch.inference_mode():
+    with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
             weights = [torch.randn(o, i, dtype=dtype) for o, i in GPT2]
             nbytes = sum(w.numel() * w.element_size() for w in weights)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tformer import linear
-from tformer.linear import Linear, Packed, Split, plan_decoding, split_linear
+from tformer.linear import Linear, Packed, Split, plan_decoding
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 
@@ -49,10 +49,17 @@ def test_linear_is_nn_linear_with_the_same_state_dict_and_result():
 @pytest.mark.parametrize("parts", [2, 3, 4])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1, 96), (8, 96), (96,)])
-def test_split_linear_equals_f_linear(parts, bias, shape):
+def test_split_product_equals_f_linear(parts, bias, shape):
     torch.manual_seed(parts)
     w, b, x = torch.randn(120, 96), torch.randn(120) if bias else None, torch.randn(shape)
-    torch.testing.assert_close(split_linear(x, w, b, parts), F.linear(x, w, b))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(parts)                              # one slice per thread
+        split = Split(w, 1)
+    finally:
+        torch.set_num_threads(before)
+    assert split.parts == parts
+    torch.testing.assert_close(split(x, b), F.linear(x, w, b))
 
 
 @needs_mkldnn

@@ -50,6 +50,8 @@ class Plan:
 
 
 class Packed(Plan):
+    """F.linear by oneDNN on a copy of the weight in its own layout, chosen for about `rows` rows."""
+
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
@@ -60,6 +62,9 @@ class Packed(Plan):
 
 
 class Split(Plan):
+    """F.linear with the output features cut into one equal slice per thread, which torch.bmm runs
+    in parallel. The weight must be row-major with out divisible by the thread count."""
+
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
         self.parts = p = torch.get_num_threads()
@@ -70,16 +75,6 @@ class Split(Plan):
         y = (torch.bmm(x2, self.w) if bias is None                               # (P, M, out/P)
              else torch.baddbmm(bias.view(self.parts, 1, -1), x2, self.w))
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
-
-
-def split_linear(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int) -> Tensor:
-    """F.linear(x, weight, bias) with the output features cut into `parts` equal slices that
-    torch.bmm runs in parallel. weight: (out, in), row-major, out divisible by `parts`."""
-    out, n_in = weight.shape
-    x2 = x.reshape(-1, n_in).expand(parts, -1, -1)                               # (P, M, in), no copy
-    w = weight.view(parts, out // parts, n_in).transpose(1, 2)                   # (P, in, out/P)
-    y = torch.bmm(x2, w) if bias is None else torch.baddbmm(bias.view(parts, 1, -1), x2, w)   # (P, M, out/P)
-    return y.transpose(0, 1).reshape(*x.shape[:-1], out)
 
 
 class Linear(nn.Linear):
