@@ -91,7 +91,7 @@ class Linear(nn.Linear):
     def make_plan(self, rows: int) -> Plan | None:
         """Choose and make the plan for products with about `rows` rows (kept while valid)."""
         w, threads, old = self.weight, torch.get_num_threads(), self.plan
-        if old is not None and old.rows == rows and old.version == w._version and old.ptr == w.data_ptr():
+        if old is not None and old.rows == rows and old.ptr == w.data_ptr() and old.version == w._version:
             return old
         self.plan = None
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
