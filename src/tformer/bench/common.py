@@ -100,6 +100,22 @@ def read_bandwidth(device: str, mbytes: int = 512, min_time: float = 0.3) -> flo
     return x.numel() * 4 / seconds / 1e9
 
 
+class ReadProbe:
+    """Memory read bandwidth sampled alongside a benchmark: timed as one more peer in its
+    interleaved runs, so a roofline uses what memory delivered at that moment (on a shared machine
+    it can change by half between the start of the bench and the decode runs)."""
+
+    def __init__(self, device: str, mbytes: int = 1024, sums: int = 3):
+        self.x, self.sums = torch.ones(mbytes * 2**20 // 4, device=device), sums
+
+    def __call__(self) -> None:
+        for _ in range(self.sums):
+            self.x.sum()
+
+    def gbps(self, seconds: float) -> float:
+        return self.sums * self.x.numel() * 4 / seconds / 1e9
+
+
 def measure_ceilings(device: str, quick: bool) -> dict:
     """GEMM peaks at the shapes the benchmarks run (a training-step GEMM and a square one), fp32 and
     bf16, and memory read bandwidth."""

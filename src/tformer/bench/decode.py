@@ -5,7 +5,7 @@ exactly the requested tokens.
 Ceiling (roofline): each step reads every weight once (the token embedding through the tied
 output layer; the position table only one row) and does 2 FLOPs per weight per batch row, so
 tokens/s <= batch / max(weight bytes / read bandwidth, 2·weights·batch / GEMM peak). At batch 1
-bandwidth decides.
+bandwidth decides. The read bandwidth is sampled between the timed runs of each case (ReadProbe).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .common import from_hf_model, hf_gpt2, interleaved_times, sync, weight_bytes
+from .common import ReadProbe, from_hf_model, hf_gpt2, interleaved_times, sync, weight_bytes
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
 SMALL = dict(n_layers=4, d_model=256, n_heads=4, vocab=2048, n_positions=512)
@@ -85,14 +85,17 @@ def _row(case, unit, ours_rate, peer_rate, **extra) -> dict:
             "peer_name": "HF generate", "ratio": ours_rate / peer_rate, **extra}
 
 
-def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=None, target=None):
+def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=None, target=None, probe=None):
+    """tformer vs HF generate, greedy. With `ceilings` (and a ReadProbe timed between the runs, for
+    the bandwidth at the same moment) the row also gives the roofline and both utilisations."""
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, ours.cfg.vocab_size, (batch, prompt), generator=g).to(device)
     run_ours, run_hf = _generators(ours, hf, ids, new)
     run_ours(4), run_hf(4)                                                     # warm-up, short
     out = {}
-    times = interleaved_times({"tformer": lambda: out.update(ours=run_ours()),
-                               "hf": lambda: out.update(hf=run_hf())}, device, repeats=repeats, warmup=0)
+    runs = {"tformer": lambda: out.update(ours=run_ours()), "hf": lambda: out.update(hf=run_hf())}
+    times = interleaved_times({**runs, **({"read": probe} if probe else {})}, device, repeats=repeats, warmup=0)
+    read_gbps = probe.gbps(times.pop("read")) if probe else ceilings and ceilings["read_GBps"]
     same = torch.equal(out["ours"], out["hf"])
     rates = {k: batch * new / t for k, t in times.items()}
     extra = {"same_tokens": same, "target": target}
@@ -100,11 +103,12 @@ def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=N
         # Roofline: a step reads every weight once (bandwidth) and does 2 FLOPs per weight per row
         # (GEMM peak); it cannot beat the slower of the two. At batch 1 bandwidth decides.
         dtype = "bf16" if ours.lm_head.weight.dtype != torch.float32 else "fp32"
-        read_s = bytes_per_token(ours) / (ceilings["read_GBps"] * 1e9)
+        read_s = bytes_per_token(ours) / (read_gbps * 1e9)
         gemm_s = 2 * sum(p.numel() for p in _gemm_weights(ours)) * batch / (ceilings[f"gemm_{dtype}_GFLOPs"] * 1e9)
         ceiling = batch / max(read_s, gemm_s)
-        extra.update(ceiling=ceiling, utilisation=rates["tformer"] / ceiling, peer_utilisation=rates["hf"] / ceiling,
-                     utilisation_name="of roofline (BW)" if read_s >= gemm_s else "of roofline (GEMM)")
+        extra.update(ceiling=ceiling, read_GBps=read_gbps, utilisation=rates["tformer"] / ceiling,
+                     peer_utilisation=rates["hf"] / ceiling,
+                     utilisation_name=f"of roofline (BW {read_gbps:.0f} GB/s)" if read_s >= gemm_s else "of roofline (GEMM)")
     return _row(case, "tok/s", rates["tformer"], rates["hf"], **extra)
 
 
@@ -113,31 +117,34 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
     new, repeats = (16, 1) if quick else (128, 3)
     shape = dict(GPT2, n_layers=2) if quick else GPT2
     name = "GPT-2-small" if not quick else "GPT-2 2-layer"
+    probe = ReadProbe(device, 256 if quick else 1024)
     for dname, dtype in DTYPES.items():
         ours, hf = _peers(shape, dtype, device)
         for batch in (1, 8):
             target = (1.0 if batch == 1 else 1.3)
             rows.append(_decode_case(ours, hf, batch, 32, new, device, repeats,
-                                     f"{name} b{batch} {dname} p32+{new}", ceilings, target))
+                                     f"{name} b{batch} {dname} p32+{new}", ceilings, target, probe))
         if dname == "bf16":
-            rows.append(_int8_case(ours, hf, new, device, repeats, name, ceilings))
+            rows.append(_int8_case(ours, hf, new, device, repeats, name, ceilings, probe))
         if dname == "fp32":
             rows += _prefill_and_context(ours, hf, device, quick)
         del ours, hf
     n = 50 if quick else 200
     ours, hf = _peers(SMALL, torch.float32, device)
-    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"small 4L/256/V2048 b1 fp32 p32+{n}", ceilings, 2.0))
+    rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"small 4L/256/V2048 b1 fp32 p32+{n}", ceilings, 2.0,
+                             probe))
     ours, hf = _peers(OVERHEAD, torch.float32, device)
     rows.append(_decode_case(ours, hf, 1, 32, n, device, repeats, f"overhead only: 4L/32/V64 b1 p32+{n}"))
     return rows
 
 
-def _int8_case(ours, hf_bf16, new, device, repeats, name, ceilings) -> dict:
+def _int8_case(ours, hf_bf16, new, device, repeats, name, ceilings, probe) -> dict:
     """tformer with int8 weights (bf16 activations) vs HF with bf16 weights: fewer bytes per token."""
     from ..quant import quantize_int8
 
     quantize_int8(ours)
-    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings, 1.5)
+    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings, 1.5,
+                       probe)
     row["peer_name"] = "HF generate bf16"
     return row
 
