@@ -92,6 +92,20 @@ def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two
 
 
 @needs_mkldnn
+def test_no_packing_when_memory_is_short(monkeypatch, two_threads):
+    from tformer.config import ModelConfig
+    from tformer.models import Decoder
+    model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=1, max_seq_len=32))
+    out_layer = 4096 * 256 * 4                                    # the one matrix that would be packed (bytes)
+    monkeypatch.setattr(linear, "available_memory", lambda: 2 * out_layer - 1)
+    plan_decoding(model, 1)
+    assert model.lm_head.plan is None and isinstance(model.stack.layers[0].ffn.up.plan, Split)
+    monkeypatch.setattr(linear, "available_memory", lambda: 2 * out_layer)
+    plan_decoding(model, 1)
+    assert isinstance(model.lm_head.plan, Packed)
+
+
+@needs_mkldnn
 def test_split_needs_more_than_one_thread():
     before = torch.get_num_threads()
     try:

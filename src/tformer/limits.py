@@ -31,6 +31,19 @@ def device_memory(device: torch.device | str) -> int:
     return total
 
 
+def available_memory() -> int | None:
+    """Bytes of RAM the kernel says can still be used without swapping (MemAvailable), or None
+    where /proc/meminfo does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def training_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
     """At least: fp32 weights + gradients + two AdamW moments (16 bytes a parameter, counting only
     the embedding, query/output projections and feed-forward weights), the fp32 logits the loss

@@ -18,8 +18,9 @@ A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows,
 weight is the one it was made for (same storage, same version counter): an optimizer step or
 load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
 again. A plan is a plain attribute (`layer.plan`): state_dict and .to() never see it, a deepcopy
-starts without one. A packed plan costs one more copy of its weight in memory; any plan keeps the
-weight's storage alive until it is replaced.
+starts without one. A packed plan costs one more copy of its weight in memory (skipped when the
+copies would take more than half of the memory still available); any plan keeps the weight's
+storage alive until it is replaced.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .limits import available_memory
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
 SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...
@@ -88,24 +91,37 @@ class Linear(nn.Linear):
             return plan(x, self.bias)
         return F.linear(x, w, self.bias)
 
-    def make_plan(self, rows: int) -> Plan | None:
-        """Choose and make the plan for products with about `rows` rows (kept while valid)."""
-        w, threads, old = self.weight, torch.get_num_threads(), self.plan
-        if old is not None and old.rows == rows and old.ptr == w.data_ptr() and old.version == w._version:
-            return old
-        self.plan = None
+    def kind_of_plan(self) -> type[Plan] | None:
+        """Which plan pays for this weight on this machine (None: F.linear)."""
+        w, threads = self.weight, torch.get_num_threads()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
             return None
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
-            self.plan = Split(w, rows)
-        elif w.numel() >= SPLIT_MIN and torch.backends.mkldnn.is_available():
-            self.plan = Packed(w, rows)
+            return Split
+        if w.numel() >= SPLIT_MIN and torch.backends.mkldnn.is_available():
+            return Packed
+        return None
+
+    def make_plan(self, rows: int, pack: bool = True) -> Plan | None:
+        """Make the plan for products with about `rows` rows, or keep a valid one; `pack=False`
+        leaves layers that would be packed on F.linear (no extra copy of the weight)."""
+        w, old = self.weight, self.plan
+        if old is not None and old.rows == rows and old.ptr == w.data_ptr() and old.version == w._version:
+            return old
+        kind = self.kind_of_plan()
+        self.plan = kind(w, rows) if kind is Split or (kind is Packed and pack) else None
         return self.plan
 
 
 def plan_decoding(model: nn.Module, rows: int) -> int:
     """Plan every Linear of `model` for decoding steps of `rows` rows (batch × beams or samples per
-    prompt). Returns how many layers have a plan."""
+    prompt). Packing is skipped when its copies would take more than half of the memory still
+    available (decoding is then slower, not killed). Returns how many layers have a plan."""
     rows = max(1, min(rows, MAX_ROWS))
-    return sum(m.make_plan(rows) is not None for m in model.modules() if isinstance(m, Linear))
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    to_pack = sum(m.weight.numel() * m.weight.element_size() for m in layers
+                  if m.kind_of_plan() is Packed and not isinstance(m.plan, Packed))
+    available = available_memory()
+    pack = available is None or to_pack <= available // 2
+    return sum(m.make_plan(rows, pack) is not None for m in layers)
