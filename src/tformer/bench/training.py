@@ -59,7 +59,7 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
         times = interleaved_times({
             "tformer": _step_fn(ours, ours_loss, (x, y), device, dtype),
             "hf": _step_fn(hf, hf_loss, (x, y), device, dtype),
-        }, device, repeats=2 if quick else 3, warmup=1)
+        }, device, repeats=2 if quick else 5, warmup=1)
         peak = ceilings[f"gemm_{dtype}_GFLOPs"] * 1e9
         tps = {k: tokens / t for k, t in times.items()}
         rows.append({
