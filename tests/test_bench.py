@@ -8,8 +8,8 @@ import torch
 
 import tformer
 from tformer.bench import format_table, write_json
-from tformer.bench.common import interleaved_times, median_time, param_count
-from tformer.bench.decode import bytes_per_token
+from tformer.bench.common import ReadProbe, interleaved_times, median_time, param_count
+from tformer.bench.decode import _decode_case, _peers, bytes_per_token
 from tformer.bench.training import flops_per_token
 from tformer.cli import main
 
@@ -104,3 +104,15 @@ def test_sub_batches_cover_batch_in_order_within_padding_slack():
 def test_cli_quality_model_must_exist(capsys):
     assert main(["bench", "--quality-model", "/no/such/run"]) == 2
     assert capsys.readouterr().err.startswith("error: /no/such/run does not exist")
+
+
+def test_decode_roofline_uses_the_bandwidth_sampled_alongside_the_runs():
+    ours, hf = _peers(dict(n_layers=1, d_model=32, n_heads=2, vocab=64, n_positions=64), torch.float32, "cpu")
+    probe = ReadProbe("cpu", mbytes=8)
+    ceilings = {"read_GBps": 1e-9, "gemm_fp32_GFLOPs": 1e9}      # start-of-run bandwidth: must not be used
+    row = _decode_case(ours, hf, 1, 4, 3, "cpu", 1, "tiny", ceilings, 1.0, probe)
+    assert row["read_GBps"] > 0.01
+    read_bound = 1 / (bytes_per_token(ours) / (row["read_GBps"] * 1e9))      # the GEMM peak here is huge
+    assert row["ceiling"] == pytest.approx(read_bound)
+    assert row["utilisation"] == pytest.approx(row["tformer"] / row["ceiling"])
+    assert probe.gbps(1.0) == pytest.approx(3 * 8 * 2**20 / 1e9)             # three sums of 8 MiB in 1 s
