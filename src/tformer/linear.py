@@ -44,9 +44,12 @@ class Plan:
         self.rows, self.ptr, self.version = rows, weight.data_ptr(), weight._version
         self.max_elems = MAX_ROWS * weight.size(1)
 
+    def made_for(self, weight: Tensor) -> bool:
+        return weight.data_ptr() == self.ptr and weight._version == self.version
+
     def usable(self, x: Tensor, weight: Tensor) -> bool:
         return (not torch.is_grad_enabled() and x.dtype == weight.dtype and x.numel() <= self.max_elems
-                and weight.data_ptr() == self.ptr and weight._version == self.version)
+                and self.made_for(weight))
 
     def __deepcopy__(self, memo):
         return None            # a copy gets its own plan when it generates (and oneDNN's tensors cannot be copied)
@@ -107,7 +110,7 @@ class Linear(nn.Linear):
         """Make the plan for products with about `rows` rows, or keep a valid one; `pack=False`
         leaves layers that would be packed on F.linear (no extra copy of the weight)."""
         w, old = self.weight, self.plan
-        if old is not None and old.rows == rows and old.ptr == w.data_ptr() and old.version == w._version:
+        if old is not None and old.rows == rows and old.made_for(w):
             return old
         kind = self.kind_of_plan()
         self.plan = kind(w, rows) if kind is Split or (kind is Packed and pack) else None

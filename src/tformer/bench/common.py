@@ -93,13 +93,6 @@ def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str, min_tim
     return 2 * m * k * n / seconds / 1e9
 
 
-def read_bandwidth(device: str, mbytes: int = 512, min_time: float = 0.3) -> float:
-    """Measured memory read GB/s: summing a tensor far larger than the caches reads every byte once."""
-    x = torch.ones(mbytes * 2**20 // 4, device=device)
-    seconds = median_time(lambda: x.sum(), device, repeats=3, warmup=1, min_time=min_time)
-    return x.numel() * 4 / seconds / 1e9
-
-
 class ReadProbe:
     """Memory read bandwidth sampled alongside a benchmark: timed as one more peer in its
     interleaved runs, so a roofline uses what memory delivered at that moment (on a shared machine
@@ -114,6 +107,12 @@ class ReadProbe:
 
     def gbps(self, seconds: float) -> float:
         return self.sums * self.x.numel() * 4 / seconds / 1e9
+
+
+def read_bandwidth(device: str, mbytes: int = 512, min_time: float = 0.3) -> float:
+    """Measured memory read GB/s: summing a tensor far larger than the caches reads every byte once."""
+    probe = ReadProbe(device, mbytes, sums=1)
+    return probe.gbps(median_time(probe, device, repeats=3, warmup=1, min_time=min_time))
 
 
 def measure_ceilings(device: str, quick: bool) -> dict:
