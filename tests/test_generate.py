@@ -335,6 +335,16 @@ def test_cli_streams_seeded_text_reproducibly(checkpoint, capsys, monkeypatch):
     assert "l" not in capsys.readouterr().out
 
 
+def test_cli_prompt_from_an_unreadable_stdin_is_one_error_line(checkpoint, capsys, monkeypatch):
+    class Closed(io.StringIO):
+        def read(self, *args):
+            raise OSError("stdin is closed")
+    monkeypatch.setattr("sys.stdin", Closed())
+    assert main(["generate", "--model", checkpoint, "--prompt", "-"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --prompt - reads the prompt from stdin")
+
+
 @pytest.mark.parametrize("flags, name", [(["--top-p", "1.5"], "top_p"), (["--temperature", "-1"], "temperature"),
                                          (["--top-k", "-2"], "top_k"), (["--max-new-tokens", "-5"], "max_new_tokens")])
 def test_cli_bad_arguments_print_one_error_line(checkpoint, capsys, flags, name):

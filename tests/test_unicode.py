@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tformer
@@ -110,6 +110,7 @@ def test_generation_on_any_prompt_never_crashes(models, prompt, which, greedy):
 @given(prompt=TEXT)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_generate_command_on_any_prompt_succeeds_or_says_why(models, prompt, capsys):
+    assume(prompt != "-")  # the documented "read the prompt from stdin"
     capsys.readouterr()
     rc = main(["generate", "--model", str(models["dir"]), f"--prompt={prompt}", "--max-new-tokens", "3",
                "--seed", "0"])

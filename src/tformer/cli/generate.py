@@ -63,7 +63,13 @@ def run(args) -> int:
     from tformer.models import Decoder, EncoderDecoder
     from tformer.tokenizers import load_source_tokenizer, load_tokenizer
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = args.prompt
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.read()
+        except OSError as e:
+            raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
+                               f"pipe the text in or give it directly") from None
     model = load(args.model)
     if not isinstance(model, (Decoder, EncoderDecoder)):
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
