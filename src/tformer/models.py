@@ -99,6 +99,9 @@ class Encoder(nn.Module):
     """BERT-style encoder: every token attends to every (non-padding) token.
     forward(input_ids (B, T), attention_mask (B, T) of 1/0) -> hidden states (B, T, D)."""
 
+    kind = "encoder"               # what every caller asks instead of isinstance / hasattr
+    is_encoder_decoder = False
+
     def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding | None = None):
         super().__init__()
         self.cfg = cfg
@@ -153,6 +156,9 @@ class EncoderClassifier(nn.Module):
     """Sequence classification as in BERT: the first token's vector -> dropout -> linear -> logits.
     (Softmax turns the logits into label probabilities; the loss applies it internally.)
     pooling="mean" averages the token vectors instead (for encoders pretrained that way)."""
+
+    kind = "classifier"
+    is_encoder_decoder = False
 
     def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None, pooling: str = "first"):
         super().__init__()
@@ -228,6 +234,9 @@ class Decoder(GenerationMixin, nn.Module):
     """GPT-style decoder-only language model. forward(input_ids (B, T)) -> logits (B, T, V);
     the logits at the last position give the distribution of the next token."""
 
+    kind = "decoder"
+    is_encoder_decoder = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -244,6 +253,20 @@ class Decoder(GenerationMixin, nn.Module):
         logits = self.lm_head(hidden)                                            # (B, T, V)
         return (logits, attentions) if return_attention else logits
 
+    def step(self, ids: Tensor, cache: Cache | None = None, attention_mask: Tensor | None = None,
+             positions: Tensor | None = None, memory: Tensor | None = None, src_mask: Tensor | None = None,
+             all_logits: bool = False) -> Tensor:
+        """The one entry point for callers that decode (generation, the server, the tracer): feed the
+        new tokens `ids` (B, T) at `positions` (B, T) or (T,) (default: after the cache's contents),
+        with `attention_mask` (B, cached + T) of 1/0 over every key position (None: no padding), and
+        get the next-token logits of the last position (B, V), or of every position (B, T, V) with
+        all_logits=True. Their keys and values join `cache` (from new_cache). `memory` / `src_mask`
+        are the encoder-decoder's and must be None here."""
+        if memory is not None:
+            raise ConfigError("a Decoder has no encoder: step() takes no memory")
+        hidden = self.stack(ids, attention_mask, positions, cache)[0]            # (B, T, D)
+        return self.lm_head(hidden if all_logits else hidden[:, -1])             # (B, T, V) or (B, V)
+
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         """Preallocated KV cache for `batch_size` sequences of up to `max_len` positions."""
         param = self.stack.embed.token.weight   # not lm_head's: an int8-quantised output layer (quant.py)
@@ -256,6 +279,9 @@ class EncoderDecoder(GenerationMixin, nn.Module):
     its output ("memory") while generating the target left to right. One token embedding is shared
     by encoder, decoder and (when tied) the output layer; with cfg.src_vocab_size the source has its
     own vocabulary and embedding (`src_embed`), and `shared` serves the target side only."""
+
+    kind = "encoder-decoder"
+    is_encoder_decoder = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -290,6 +316,18 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         memory, enc_attn = self.encode(src_ids, src_mask, return_attention=True)
         logits, dec_attn, cross_attn = self.decode(tgt_ids, memory, src_mask, tgt_mask, return_attention=True)
         return logits, {"encoder": enc_attn, "decoder": dec_attn, "cross": cross_attn}
+
+    def step(self, ids: Tensor, cache: Cache | None = None, attention_mask: Tensor | None = None,
+             positions: Tensor | None = None, memory: Tensor | None = None, src_mask: Tensor | None = None,
+             all_logits: bool = False) -> Tensor:
+        """Decoder.step for the target side: `memory` (B, S, D) is encode()'s output and `src_mask`
+        (B, S) of 1/0 its padding (None: none). The cross-attention keys and values are computed from
+        `memory` at the first step and kept in `cache` (later steps may pass the same memory)."""
+        if memory is None:
+            raise ConfigError("an EncoderDecoder decodes from the encoder's output: pass memory=model.encode(src)")
+        memory_mask = combine(padding_mask(src_mask)) if src_mask is not None else None
+        hidden = self.decoder(ids, attention_mask, positions, cache, memory, memory_mask)[0]
+        return self.lm_head(hidden if all_logits else hidden[:, -1])
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..linear import plan_decoding
-from ..masks import combine, padding_mask
 from .processors import greedy, process_logits, sample
 from .stepper import Stepper
 from .stopping import sequence_hits, string_hits
@@ -133,16 +132,14 @@ class Prepared:
 def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings, copies: int) -> Prepared:
     """Run the encoder (once) or set up left padding, and repeat every row `copies` times
     (beams or num_return_sequences)."""
-    from ..models import EncoderDecoder
-
     if input_ids.dim() != 2:
         raise ConfigError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ConfigError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape "
                           f"{tuple(input_ids.shape)}")
     cfg, device = model.cfg, input_ids.device
-    memory = memory_mask = None
-    if isinstance(model, EncoderDecoder):
+    memory = src_mask = None
+    if model.is_encoder_decoder:
         if input_ids.size(1) > cfg.max_seq_len:
             raise ConfigError(f"the source (input_ids) has {input_ids.size(1)} tokens but the model's context is "
                               f"max_seq_len={cfg.max_seq_len} (shorten it)")
@@ -153,7 +150,7 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings
                               "bos_token_id or pad_token_id in its config)")
         memory = model.encode(input_ids, attention_mask).repeat_interleave(copies, dim=0)       # (N, S, D)
         if attention_mask is not None:
-            memory_mask = combine(padding_mask(attention_mask.repeat_interleave(copies, dim=0)))
+            src_mask = attention_mask.repeat_interleave(copies, dim=0)
         prompt = torch.full((input_ids.size(0) * copies, 1), start, dtype=torch.long, device=device)
         attention_mask = None
     else:
@@ -175,7 +172,7 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings
         real = attention_mask.bool() if attention_mask is not None else torch.ones_like(prompt, dtype=torch.bool)
         rows = torch.arange(n, device=device)[:, None].expand_as(prompt)
         seen[rows[real], prompt[real]] = True
-    stepper = Stepper(model, n, max_len, s.use_cache, attention_mask, memory, memory_mask)
+    stepper = Stepper(model, n, max_len, s.use_cache, attention_mask, memory, src_mask)
     return Prepared(seqs, t, stepper, seen)
 
 

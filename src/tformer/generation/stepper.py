@@ -24,9 +24,9 @@ class Stepper:
     """next_logits(seqs, cur_len) -> (N, V) logits for the token at column cur_len."""
 
     def __init__(self, model, n_rows: int, max_len: int, use_cache: bool, attention_mask: Tensor | None = None,
-                 memory: Tensor | None = None, memory_mask: Tensor | None = None):
+                 memory: Tensor | None = None, src_mask: Tensor | None = None):
         self.model, self.use_cache = model, use_cache
-        self.memory, self.memory_mask = memory, memory_mask
+        self.memory, self.src_mask = memory, src_mask
         self.cache = model.new_cache(n_rows, max_len) if use_cache else None
         self.fed = 0                                   # columns already in the cache
         self.mask = self.positions = None
@@ -41,12 +41,9 @@ class Stepper:
         ids = seqs[:, start:cur_len]                                             # (N, T_new)
         mask = self.mask[:, :cur_len] if self.mask is not None else None
         positions = self.positions[:, start:cur_len] if self.positions is not None else None
-        if self.memory is None:
-            hidden = self.model.stack(ids, mask, positions, self.cache)[0]       # (N, T_new, D)
-        else:
-            hidden = self.model.decoder(ids, mask, positions, self.cache, self.memory, self.memory_mask)[0]
+        logits = self.model.step(ids, self.cache, mask, positions, self.memory, self.src_mask)   # (N, V)
         self.fed = cur_len
-        return self.model.lm_head(hidden[:, -1])                                 # (N, V): last position only
+        return logits
 
     def reorder(self, index: Tensor) -> None:
         """Beam search: row i continues from row index[i]. Only self-attention caches move: the
