@@ -93,11 +93,7 @@ def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None, s
     ids = _encode(src_tok, text, cfg, "the text")
     inputs = Inputs(torch.tensor([ids]), [token_label(src_tok, i) for i in ids])
     if kind == "encoder-decoder":
-        start = next((i for i in (cfg.decoder_start_token_id, cfg.pad_token_id, cfg.bos_token_id) if i is not None),
-                     None)
-        if start is None:
-            raise ConfigError("the model config has no decoder_start_token_id, pad_token_id or bos_token_id "
-                              "(set one in config.json)")
+        start = cfg.decoder_start()
         if target is not None:
             tgt = [start] + _encode(tokenizer, target, cfg, "the target")
         else:
@@ -343,7 +339,7 @@ class _Printer:
     def attention(self, mha, c: Call, L: str, keys: list[str]) -> None:
         import inspect
 
-        from .masks import causal_mask
+        from .masks import with_causal
 
         i, h, rec = self.token, self.head, self.rec
         bound = inspect.signature(mha.forward).bind(*c.args, **c.kwargs).arguments
@@ -354,12 +350,10 @@ class _Printer:
         self.line(1, f"{kind}, H={mha.n_heads} heads of d_k={mha.head_dim}")
         # Q, K, V as the model's own projections produced them (split into heads the way the layer does)
         if mha.cross:
-            q = mha._heads(rec.within(mha.q_proj, c)[0].output, mha.n_heads)
-            k, v = (mha._heads(t, mha.n_kv_heads) for t in rec.within(mha.kv_proj, c)[0].output.chunk(2, dim=-1))
+            q = mha.split_heads(rec.within(mha.q_proj, c)[0].output, mha.n_heads)
+            k, v = mha.kv_heads(rec.within(mha.kv_proj, c)[0].output)
         else:
-            kv_dim = mha.n_kv_heads * mha.head_dim
-            q, k, v = rec.within(mha.qkv_proj, c)[0].output.split([mha.n_heads * mha.head_dim, kv_dim, kv_dim], -1)
-            q, k, v = mha._heads(q, mha.n_heads), mha._heads(k, mha.n_kv_heads), mha._heads(v, mha.n_kv_heads)
+            q, k, v = mha.qkv_heads(rec.within(mha.qkv_proj, c)[0].output)
         src = "C" if mha.cross else "X"
         hk = h // (mha.n_heads // mha.n_kv_heads)  # the K/V head that query head h reads
         self.line(2, "Q = X W_Q, split into heads", self.shape(q, f"B H {L} d_k"), self.vec(q[0, h, i], "q_i="))
@@ -378,8 +372,7 @@ class _Printer:
                   self.shape(scores, f"B H {L} {K}"), self.vec(scores[0, h, i], "s_i·="))
         mask = bound.get("mask")
         if bound.get("is_causal"):
-            causal = causal_mask(q.size(2), k.size(2), device=q.device)
-            mask = causal if mask is None else mask & causal
+            mask = with_causal(mask, q.size(2), k.size(2), device=q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
             hidden = [j for j, ok in enumerate(mask.expand_as(scores)[0, h, i].tolist()) if not ok]

@@ -6,7 +6,7 @@
     decoding.py    generate() / stream(): argument checks, left padding, greedy and sampling loop
     beam.py        beam search with Hugging Face's semantics
 
-`Decoder` and `EncoderDecoder` inherit `GenerationMixin`, so `model.generate(...)` works.
+`Decoder` and `EncoderDecoder` have `model.generate(...)` / `model.stream(...)`, which call these.
 """
 
 from __future__ import annotations
@@ -97,31 +97,8 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-class GenerationMixin:
-    """Adds generate() / stream() to a model with `cfg`, `lm_head` and either `stack` (Decoder)
-    or `encode` + `decoder` (EncoderDecoder)."""
-
-    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
-                 **kwargs) -> Tensor:
-        """See tformer.generation.generate. For an EncoderDecoder input_ids is the source and its
-        mask may be given as attention_mask (HF) or src_mask."""
-        return generate(self, input_ids, _mask(attention_mask, src_mask), **kwargs)
-
-    def stream(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
-               **kwargs) -> Iterator[Tensor]:
-        """Iterator over each step's new tokens (N,); see tformer.generation.stream."""
-        return stream(self, input_ids, _mask(attention_mask, src_mask), **kwargs)
-
-
-def _mask(attention_mask, src_mask):
-    if attention_mask is not None and src_mask is not None:
-        from ..errors import ConfigError
-        raise ConfigError("give the source mask once: attention_mask or src_mask, not both")
-    return attention_mask if attention_mask is not None else src_mask
-
-
 __all__ = [
-    "generate", "stream", "stream_text", "GenerationMixin", "TextStream", "sequence_hits",
+    "generate", "stream", "stream_text", "TextStream", "sequence_hits",
     "apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter",
     "process_logits", "greedy", "sample",
 ]

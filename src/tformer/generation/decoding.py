@@ -143,11 +143,7 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings
         if input_ids.size(1) > cfg.max_seq_len:
             raise ConfigError(f"the source (input_ids) has {input_ids.size(1)} tokens but the model's context is "
                               f"max_seq_len={cfg.max_seq_len} (shorten it)")
-        start = next((t for t in (cfg.decoder_start_token_id, cfg.bos_token_id, cfg.pad_token_id) if t is not None),
-                     None)
-        if start is None:
-            raise ConfigError("the model config has no decoder_start_token_id (set decoder_start_token_id, "
-                              "bos_token_id or pad_token_id in its config)")
+        start = cfg.decoder_start()
         memory = model.encode(input_ids, attention_mask).repeat_interleave(copies, dim=0)       # (N, S, D)
         if attention_mask is not None:
             src_mask = attention_mask.repeat_interleave(copies, dim=0)
@@ -221,8 +217,8 @@ def _run(steps: Iterator[Tensor], streamer: Callable[[Tensor], None] | None) -> 
             streamer(tokens)
 
 
-def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, generator=None, seed=None,
-             streamer: Callable[[Tensor], None] | None = None, **kwargs) -> Tensor:
+def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
+             generator=None, seed=None, streamer: Callable[[Tensor], None] | None = None, **kwargs) -> Tensor:
     """Continue `input_ids` (see the module docstring). Arguments as in HF `generate`:
     max_new_tokens, do_sample, temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty,
     num_beams, length_penalty, early_stopping, num_return_sequences, eos_token_id, pad_token_id,
@@ -230,7 +226,9 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
     generator / seed for reproducible sampling (no global RNG is touched). `streamer(tokens)` is
     called with each step's new tokens (N,) (not with beam search, where tokens are not final).
     N = B * num_return_sequences; rows of one input are adjacent, as in HF. One difference from
-    HF: repetition_penalty ignores the ids under left padding (HF penalises them too)."""
+    HF: repetition_penalty ignores the ids under left padding (HF penalises them too).
+    An EncoderDecoder's source mask may be given as attention_mask (HF) or src_mask."""
+    attention_mask = _one_mask(attention_mask, src_mask)
     s = make_settings(model, **kwargs)
     generator = _generator(generator, seed, input_ids.device) if s.do_sample else None
     plan_decoding(model, input_ids.size(0) * max(s.num_beams, s.num_return_sequences))
@@ -246,9 +244,10 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
         return p.seqs[:, :p.prompt_len + steps]
 
 
-def stream(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, generator=None, seed=None,
-           **kwargs) -> Iterator[Tensor]:
+def stream(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
+           generator=None, seed=None, **kwargs) -> Iterator[Tensor]:
     """Like generate(), but an iterator over the new tokens (N,) of each step, as they are made."""
+    attention_mask = _one_mask(attention_mask, src_mask)
     s = make_settings(model, **kwargs)
     if s.num_beams > 1:
         raise ConfigError("num_beams > 1 cannot be streamed (beams are only final at the end); use generate()")
@@ -256,6 +255,12 @@ def stream(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, ge
     with torch.inference_mode():
         p = prepare(model, input_ids, attention_mask, s, s.num_return_sequences)
     return _inference(sample_steps(p, s, _generator(generator, seed, input_ids.device)))
+
+
+def _one_mask(attention_mask: Tensor | None, src_mask: Tensor | None) -> Tensor | None:
+    if attention_mask is not None and src_mask is not None:
+        raise ConfigError("give the source mask once: attention_mask or src_mask, not both")
+    return attention_mask if attention_mask is not None else src_mask
 
 
 def _inference(steps: Iterator[Tensor]) -> Iterator[Tensor]:
