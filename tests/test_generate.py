@@ -14,7 +14,7 @@ import tformer
 from tformer import Decoder, EncoderDecoder, ModelConfig
 from tformer.cli import main
 from tformer.generation import (TextStream, apply_repetition_penalty, apply_temperature, min_p_filter,
-                                sequence_hits, stream_text, top_k_filter, top_p_filter)
+                                sequence_hits, stream_text, top_k_filter, top_p_filter, windowed)
 from tformer.tokenizers import Tokenizer
 
 lp = pytest.importorskip("transformers.generation.logits_process")
@@ -372,3 +372,15 @@ def test_cli_writes_past_the_context_with_a_sliding_window(checkpoint, capsys):
     assert len(out) > context  # char tokenizer: one character per token (EOS may end it early otherwise)
     with pytest.raises(ValueError, match="max_new_tokens|max_seq_len"):
         tformer.load(checkpoint).generate(rand_ids(1, 3), max_new_tokens=2 * context)
+
+
+def test_windowed_restarts_from_the_last_half_context():
+    """Past the context (8 positions), each round is plain greedy generate() from the last 4 tokens."""
+    model = build(Decoder, max_seq_len=8)
+    ids = [1, 2, 3]
+    tokens = ids + [int(step[0]) for step in windowed(model, ids, 10, eos_token_id=[])]
+    assert len(tokens) == 13
+    for start, end in ((0, 8), (4, 12), (8, 13)):   # rounds: prompt + 5, then 4 + 4, then 4 + 1
+        window = torch.tensor([tokens[start:start + (3 if start == 0 else 4)]])
+        out = model.generate(window, max_new_tokens=end - start - window.size(1), eos_token_id=[])
+        assert out[0].tolist() == tokens[start:end]

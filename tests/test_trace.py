@@ -199,3 +199,25 @@ def test_attention_on_imported_minilm(tmp_path, capsys):
     html = (tmp_path / "m.html").read_text()
     assert '"[CLS]","the","cat","sat",".","[SEP]"' in html and "[PAD]" not in html
     assert "6 rows of layers × 12 heads" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ids", [dict(bos_token_id=3, pad_token_id=5), dict(pad_token_id=5),
+                                 dict(bos_token_id=3), dict(decoder_start_token_id=7, bos_token_id=3, pad_token_id=5)])
+def test_trace_and_generate_start_the_decoder_from_the_same_token(ids):
+    """One rule for the first decoder input: trace (with or without --target) feeds the token that
+    generate() starts from; with no decoder_start_token_id that is bos, as HF generate chooses."""
+    model = build(EncoderDecoder, **{"decoder_start_token_id": None, **ids})
+    src = prepare(model, TOK, TEXT).ids
+    started = int(model.generate(src, max_new_tokens=1, eos_token_id=[])[0, 0])
+    expected = next(ids[k] for k in ("decoder_start_token_id", "bos_token_id", "pad_token_id") if k in ids)
+    assert started == expected
+    assert int(prepare(model, TOK, TEXT, target="le chat").target_ids[0, 0]) == started
+    assert int(prepare(model, TOK, TEXT).target_ids[0, 0]) == started
+
+
+def test_no_decoder_start_token_is_one_error_for_trace_and_generate():
+    model = build(EncoderDecoder, decoder_start_token_id=None)
+    src = torch.tensor([TOK.encode(TEXT)])
+    for call in (lambda: model.generate(src, max_new_tokens=1), lambda: prepare(model, TOK, TEXT, target="x")):
+        with pytest.raises(ConfigError, match="no decoder start token"):
+            call()

@@ -115,7 +115,7 @@ def test_generate_command_on_any_prompt_succeeds_or_says_why(models, prompt, cap
     rc = main(["generate", "--model", str(models["dir"]), f"--prompt={prompt}", "--max-new-tokens", "3",
                "--seed", "0"])
     out, err = capsys.readouterr()
-    if len(models["lm"][1].encode(prompt)) + 3 <= models["lm"][0].cfg.max_seq_len:
+    if len(models["lm"][1].encode(prompt)) < models["lm"][0].cfg.max_seq_len:  # the CLI slides past the context
         assert rc == 0, err
         assert out.startswith(prompt)  # the prompt is echoed exactly, whatever its script
     else:

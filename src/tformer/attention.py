@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .dropout import dropout
 from .linear import Linear
-from .masks import Packing, causal_mask
+from .masks import Packing, with_causal
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
@@ -32,8 +32,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropo
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T_q, T_k)
     if is_causal:
-        causal = causal_mask(q.size(-2), k.size(-2), device=q.device)
-        mask = causal if mask is None else mask & causal
+        mask = with_causal(mask, q.size(-2), k.size(-2), device=q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -60,8 +59,7 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     B, H, t_q, hd = q.shape
     t_k = k.size(-2)
     if is_causal:
-        causal = causal_mask(t_q, t_k, device=q.device)
-        mask = causal if mask is None else mask & causal
+        mask = with_causal(mask, t_q, t_k, device=q.device)
     bias = torch.zeros(mask.shape if mask is not None else (), dtype=q.dtype, device=q.device)
     if mask is not None:
         bias.masked_fill_(~mask, float("-inf"))                                  # 0 where allowed, -inf elsewhere
@@ -151,20 +149,18 @@ class MultiHeadAttention(nn.Module):
         With `packing` (self-attention), x and the output hold only the real tokens: (N, D)."""
         B, T = packing.shape if packing is not None else x.shape[:2]
         if self.cross:
-            q = self._heads(self.q_proj(x), self.n_heads)                       # (B, H, T_q, hd)
+            q = self.split_heads(self.q_proj(x), self.n_heads)                  # (B, H, T_q, hd)
             if cache is not None and cache.k is not None:
                 k, v = cache.k, cache.v
             else:
-                k, v = (self._heads(t, self.n_kv_heads) for t in self.kv_proj(context).chunk(2, dim=-1))
+                k, v = self.kv_heads(self.kv_proj(context))
                 if cache is not None:
                     cache.k, cache.v = k, v
         else:
-            kv_dim = self.n_kv_heads * self.head_dim
             qkv = self.qkv_proj(x)
             if packing is not None:
                 qkv = packing.unpack(qkv)                                        # (N, ·) -> (B, T, ·)
-            q, k, v = qkv.split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+            q, k, v = self.qkv_heads(qkv)
             if self.rotary is not None:
                 q, k = self.rotary(q, positions), self.rotary(k, positions)
             if cache is not None:
@@ -182,9 +178,22 @@ class MultiHeadAttention(nn.Module):
             out = packing.pack(out)                                              # (B, T, ·) -> (N, ·)
         return self.out_proj(out), weights
 
-    def _heads(self, x: Tensor, n: int) -> Tensor:
+    def split_heads(self, x: Tensor, n: int) -> Tensor:
+        """(B, T, n·hd) -> (B, n, T, hd): n heads of size hd."""
         B, T, _ = x.shape
         return x.view(B, T, n, self.head_dim).transpose(1, 2)                    # (B, n, T, hd)
+
+    def qkv_heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's fused projection (B, T, (H + 2·H_kv)·hd) -> Q (B, H, T, hd), K, V (B, H_kv, T, hd)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.n_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        return (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
+                self.split_heads(v, self.n_kv_heads))
+
+    def kv_heads(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention's fused K/V projection (B, T_k, 2·H_kv·hd) -> K, V (B, H_kv, T_k, hd)."""
+        k, v = kv.chunk(2, dim=-1)
+        return self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
 
 
 class Cache:

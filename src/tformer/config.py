@@ -47,10 +47,10 @@ class ModelConfig:
     position_offset: int = 0           # learned positions start at this row (BART reserves 2)
     sinusoidal_layout: str = "interleaved"  # sin/cos on even/odd dims (2017) or first/second half ("split", Marian)
     lm_head_bias: bool = False         # a bias on the output logits (Marian/BART's final_logits_bias)
-    pad_token_id: int | None = None    # generation pads finished rows with it; encoder-decoder uses it as decoder start
+    pad_token_id: int | None = None    # generation pads finished rows with it
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    decoder_start_token_id: int | None = None  # first decoder input of an encoder-decoder
+    decoder_start_token_id: int | None = None  # first decoder input of an encoder-decoder (see decoder_start)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +75,15 @@ class ModelConfig:
     @property
     def decoder_layers(self) -> int:
         return self.n_decoder_layers if self.n_decoder_layers is not None else self.n_layers
+
+    def decoder_start(self) -> int:
+        """The first decoder input of an encoder-decoder, for every caller (generate, trace, HF export):
+        decoder_start_token_id, else bos_token_id (HF generate's fallback), else pad_token_id (T5's)."""
+        for token in (self.decoder_start_token_id, self.bos_token_id, self.pad_token_id):
+            if token is not None:
+                return token
+        raise ConfigError("the model config has no decoder start token (set decoder_start_token_id, "
+                          "bos_token_id or pad_token_id in its config)")
 
     # --- checks --------------------------------------------------------------------------
     def validate(self) -> None:

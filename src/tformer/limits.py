@@ -10,38 +10,12 @@ from __future__ import annotations
 import os
 
 import torch
+
 from .config import ModelConfig
+from .devices import device_memory, pick_device
 from .errors import ConfigError
 
 GiB = 1 << 30
-
-
-def device_memory(device: torch.device | str) -> int:
-    """Total bytes of memory of `device`: the GPU's, or the machine's RAM (within a cgroup limit)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:  # a container's memory limit (cgroup v2), when lower than the machine's
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
-
-
-def available_memory() -> int | None:
-    """Bytes of RAM the kernel says can still be used without swapping (MemAvailable), or None
-    where /proc/meminfo does not exist."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def training_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
@@ -85,8 +59,6 @@ def check_generation(cfg: ModelConfig, sequences: int, total_len: int, device="c
 
 def check_task(task, train_cfg) -> None:
     """Before training: would one micro-batch of `task` under `train_cfg` (a TrainConfig) fit?"""
-    from .train import pick_device
-
     cfg = getattr(task, "cfg", None)
     if cfg is None:  # a task that keeps no config of its own: its model has one
         cfg = task.build_model().cfg

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .limits import available_memory
+from .devices import available_memory
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
 SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...

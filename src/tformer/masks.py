@@ -25,6 +25,12 @@ def causal_mask(t_q: int, t_k: int | None = None, device=None) -> Tensor:
     return torch.arange(t_k, device=device)[None, :] <= q_pos
 
 
+def with_causal(mask: Tensor | None, t_q: int, t_k: int, device=None) -> Tensor:
+    """`mask` AND the causal mask of the last t_q of t_k positions: what `is_causal=True` means."""
+    causal = causal_mask(t_q, t_k, device=device)
+    return causal if mask is None else mask & causal
+
+
 def padding_mask(attention_mask: Tensor) -> Tensor:
     """HF (B, T_k) mask of 1/0 -> (B, 1, 1, T_k) bool, True on real tokens (the keys one may attend to)."""
     return attention_mask.bool()[:, None, None, :]

@@ -21,7 +21,6 @@ from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
 from .dropout import Dropout
 from .errors import ConfigError
-from .generation import GenerationMixin
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .masks import Packing, causal_mask, combine, padding_mask
@@ -228,6 +227,22 @@ def _cache_dtype(param: Tensor, dtype):
     if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return param.dtype                     # also for devices without autocast (meta: shape-only runs)
+
+
+class GenerationMixin:
+    """model.generate(...) / model.stream(...), as in Hugging Face. They forward to
+    tformer.generation, imported when first called: generation sits above the model core, which
+    never loads it (the one import from the core upward; tests/test_architecture.py names it)."""
+
+    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+        """See tformer.generation.generate (an EncoderDecoder's source mask may also be src_mask=)."""
+        from .generation import generate
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def stream(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs):
+        """Iterator over each step's new tokens (N,); see tformer.generation.stream."""
+        from .generation import stream
+        return stream(self, input_ids, attention_mask, **kwargs)
 
 
 class Decoder(GenerationMixin, nn.Module):

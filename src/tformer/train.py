@@ -64,6 +64,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from .devices import pick_device  # noqa: F401  (moved to devices.py; loop.py imports it from here)
 from .errors import ConfigError
 
 TASKS: dict[str, str] = {
@@ -229,18 +230,6 @@ def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -
 
 def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA GPU is available (use --device cpu)")
-        return torch.device("cuda", local_rank)
-    if name != "cpu":
-        raise ConfigError(f"--device {name!r}: choose auto, cpu or cuda")
-    return torch.device("cpu")
 
 
 def fit(task: Task, cfg: TrainConfig, resume: str | None = None, command: list[str] | None = None,

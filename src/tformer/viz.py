@@ -24,7 +24,7 @@ def _pyplot():
     return plt
 
 
-def _check_parent(path) -> Path:
+def check_parent(path) -> Path:
     """The output's folder must exist: we never create folders the user did not ask for."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
@@ -55,7 +55,7 @@ def plot_loss(records: list[dict], path) -> None:
     Each record may carry `train_loss` and/or `val_loss` (a record without either is skipped), so
     the same list that train.py appends to metrics.jsonl can be passed as is.
     """
-    path = _check_parent(path)
+    path = check_parent(path)
     plt = _pyplot()
     train = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
@@ -80,7 +80,7 @@ def plot_confusion(matrix: list[list[int]], labels: list[str], path) -> None:
     if len(matrix) != n or any(len(row) != n for row in matrix):
         raise DataError(f"confusion matrix must be {n}x{n} for {n} labels "
                         f"(got {len(matrix)} rows of lengths {[len(r) for r in matrix]})")
-    path = _check_parent(path)
+    path = check_parent(path)
     plt = _pyplot()
     size = 2.5 + 0.6 * n
     fig, ax = plt.subplots(figsize=(size, size))
@@ -150,7 +150,7 @@ def plot_attention_grid(maps, path, panel_px: int | None = None, dpi: int = 100)
     predictable; by default the panel grows with the number of tokens so that labels fit.
     """
     maps = _as_maps(maps)
-    path = _check_parent(path)
+    path = check_parent(path)
     _, cols = grid_shape(maps)
     longest = max(max(len(m.query_tokens), len(m.key_tokens)) for m in maps)
     if panel_px is None:
@@ -216,7 +216,7 @@ def write_attention_html(maps, path, title: str = "attention explorer", subtitle
     from importlib.resources import files
 
     maps = _as_maps(maps)
-    path = _check_parent(path)
+    path = check_parent(path)
     template = files("tformer").joinpath("attention_explorer.html").read_text(encoding="utf-8")
     data = {"title": title, "subtitle": subtitle, "maps": [
         {"name": m.name, "causal": m.causal, "query_tokens": m.query_tokens, "key_tokens": m.key_tokens,

@@ -46,17 +46,17 @@ def output_paths(out: str) -> tuple[Path, Path]:
 def run(args) -> int:
     from tformer.checkpoint import load
     from tformer.tokenizers import load_source_tokenizer, load_tokenizer
-    from tformer.trace import attention_maps, model_kind, prepare
-    from tformer.viz import _check_parent, plot_attention_grid, write_attention_html
+    from tformer.trace import attention_maps, prepare
+    from tformer.viz import check_parent, plot_attention_grid, write_attention_html
 
     png, html = output_paths(args.out)
-    _check_parent(png)  # fail before the (slow) model load
+    check_parent(png)  # fail before the (slow) model load
     tokenizer = load_tokenizer(args.model)
     model = load(args.model)
     inputs = prepare(model, tokenizer, args.text, args.target, source_tokenizer=load_source_tokenizer(args.model))
     maps = attention_maps(model, inputs)
     cfg = model.cfg
-    subtitle = (f"{args.model} · {type(model).__name__} ({model_kind(model)}) · {cfg.n_layers} layers × "
+    subtitle = (f"{args.model} · {type(model).__name__} ({model.kind}) · {cfg.n_layers} layers × "
                 f"{cfg.n_heads} heads, d_model {cfg.d_model}")
     plot_attention_grid(maps, png)
     write_attention_html(maps, html, title=f"attention: {args.text[:80]}", subtitle=subtitle)

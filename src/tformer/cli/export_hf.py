@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from tformer.cli import COMMANDS
-from tformer.cli.import_hf import check_destination
+from tformer.cli.common import check_destination
 
 
 def register(sub) -> None:

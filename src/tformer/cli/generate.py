@@ -59,8 +59,7 @@ def run(args) -> int:
 
     from tformer.checkpoint import load
     from tformer.errors import TformerError
-    from tformer.generation import generate, stream_text
-    from tformer.models import Decoder, EncoderDecoder
+    from tformer.generation import eos_ids, generate, prompt_ids, stream_text
     from tformer.tokenizers import load_source_tokenizer, load_tokenizer
 
     prompt = args.prompt
@@ -71,7 +70,7 @@ def run(args) -> int:
             raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
                                f"pipe the text in or give it directly") from None
     model = load(args.model)
-    if not isinstance(model, (Decoder, EncoderDecoder)):
+    if model.kind not in ("decoder", "encoder-decoder"):
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
                            f"(use a Decoder or EncoderDecoder checkpoint)")
     tokenizer = load_tokenizer(args.model)
@@ -81,26 +80,27 @@ def run(args) -> int:
     if max_new > MAX_NEW_TOKENS:
         raise TformerError(f"--max-new-tokens {max_new} is more than {MAX_NEW_TOKENS:,} (ask for less; for more "
                            f"text, run generate again on the end of its output)")
-    if isinstance(model, EncoderDecoder) or args.num_beams > 1:
+    if model.is_encoder_decoder or args.num_beams > 1:
         # No sliding window here: the target (or every beam) must fit the context.
-        used = 1 if isinstance(model, EncoderDecoder) else max(len(tokenizer.encode(prompt)), 1)
+        used = 1 if model.is_encoder_decoder else max(len(tokenizer.encode(prompt)), 1)
         if args.max_new_tokens is None:
             max_new = max(0, min(max_new, model.cfg.max_seq_len - used))
     options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-                   eos_token_id=_eos(model, tokenizer))
+                   eos_token_id=eos_ids(model, tokenizer=tokenizer))
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
     from tformer.limits import check_generation
     check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(reader.encode(prompt)) + max_new))
     # Build the generator (which checks every argument) before printing anything.
     if args.num_beams > 1:
-        pieces = iter([_beam_text(model, tokenizer, prompt, args.stop, generator, options, generate, reader)])
+        ids = torch.tensor([prompt_ids(reader, prompt)])
+        pieces = iter([_beam_text(model, tokenizer, ids, args.stop, generator, options, generate)])
     else:
         pieces = stream_text(model, tokenizer, prompt, stop_strings=args.stop, generator=generator,
                              sliding_window=True, source_tokenizer=source_tokenizer, **options)
     out = sys.stdout
-    if not args.no_echo and isinstance(model, Decoder):
+    if not args.no_echo and model.kind == "decoder":
         out.write(prompt)
     for piece in pieces:
         out.write(piece)
@@ -110,24 +110,13 @@ def run(args) -> int:
     return 0
 
 
-def _eos(model, tokenizer) -> list[int]:
-    eos = model.cfg.eos_token_id if model.cfg.eos_token_id is not None else tokenizer.eos_id
-    return [] if eos is None else [eos]
-
-
-def _beam_text(model, tokenizer, prompt, stops, generator, options, generate, reader) -> str:
-    """Beam search, then the best hypothesis's new text, cut before the first stop string.
-    `reader` tokenizes the prompt (an encoder-decoder's source tokenizer), `tokenizer` the output."""
-    import torch
-
+def _beam_text(model, tokenizer, ids, stops, generator, options, generate) -> str:
+    """Beam search from the prompt `ids` (1, T), then the best hypothesis's new text (read by
+    `tokenizer`), cut before the first stop string."""
     from tformer.generation import TextStream
 
-    ids = torch.tensor([reader.encode(prompt) or ([reader.bos_id] if reader.bos_id is not None else [])])
-    if ids.numel() == 0:
-        from tformer.errors import ConfigError
-        raise ConfigError("the prompt is empty and the tokenizer has no BOS token to start from (give a prompt)")
     seqs = generate(model, ids, stop_strings=stops or None, tokenizer=tokenizer, generator=generator, **options)
-    start = 1 if hasattr(model, "encode") else ids.size(1)
+    start = 1 if model.is_encoder_decoder else ids.size(1)
     new = seqs[0, start:].tolist()
     ends = [i for i, t in enumerate(new) if t in options["eos_token_id"]]
     new = new[:ends[0]] if ends else new

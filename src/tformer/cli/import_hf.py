@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tformer.cli import COMMANDS
-from tformer.errors import TformerError
+from tformer.cli.common import check_destination
 
 
 def register(sub) -> None:
@@ -20,19 +20,6 @@ def register(sub) -> None:
     p.add_argument("dst", metavar="DST", help="directory for the tformer checkpoint (created)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists and is not empty")
     p.set_defaults(func=run)
-
-
-def check_destination(src: Path, dst: Path, force: bool) -> None:
-    """Never overwrite what the user has, unless asked; never replace the source with its copy."""
-    if dst.exists() and not dst.is_dir():
-        raise TformerError(f"{dst} exists and is not a directory (choose another DST)")
-    above = next((p for p in dst.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise TformerError(f"cannot create {dst}: {above} is a file, not a directory (choose another DST)")
-    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise TformerError(f"DST {dst} is the same directory as SRC (choose another DST)")
-    if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise TformerError(f"{dst} exists and is not empty (pass --force to replace it)")
 
 
 def run(args) -> int:

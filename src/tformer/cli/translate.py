@@ -12,6 +12,7 @@ import argparse
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import positive_int
+from tformer.cli.common import load_task_model, read_inputs
 
 
 def register(sub) -> None:
@@ -25,9 +26,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.cli.classify import load_task_model, read_inputs
     from tformer.errors import ConfigError
-    from tformer.models import EncoderDecoder
     from tformer.tasks.common import warn
     from tformer.tasks.translate import encode_pairs, translate
     from tformer.tokenizers import load_source_tokenizer
@@ -35,7 +34,7 @@ def run(args) -> int:
     if args.num_beams < 1 or args.batch_size < 1:
         raise ConfigError("--num-beams and --batch-size must be at least 1")
     texts = read_inputs(args.texts, "sentence")
-    model, tokenizer, max_len, _ = load_task_model(args.model, EncoderDecoder, "an encoder-decoder", "translate")
+    model, tokenizer, max_len, _ = load_task_model(args.model, "encoder-decoder", "an encoder-decoder", "translate")
     source_tokenizer = load_source_tokenizer(args.model)  # None: one vocabulary for both languages
     src, _ = encode_pairs(tokenizer, texts, None, max_len + 1, source_tokenizer)
     cut = sum(len(s) > max_len for s in src)

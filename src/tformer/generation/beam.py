@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .decoding import Prepared, Settings
+from .prepare import Prepared
 from .processors import process_logits
+from .settings import Settings
 from .stopping import sequence_hits, string_hits
 
 NEG = -1.0e9

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..errors import ConfigError
 from ..models import EncoderDecoder
 from .keymap import ACT_TO_HF, Rule, hf_activation, layer_rules, mismatches, refuse_unless, settings, token_id
 
@@ -102,8 +103,11 @@ def fits(cfg: ModelConfig, **specific) -> list[str]:
 
 
 def decoder_start(cfg: ModelConfig) -> int | None:
-    """The first decoder input, chosen as tformer's generate() chooses it."""
-    return next((t for t in (cfg.decoder_start_token_id, cfg.bos_token_id, cfg.pad_token_id) if t is not None), None)
+    """The first decoder input (ModelConfig.decoder_start), or None when the config names none."""
+    try:
+        return cfg.decoder_start()
+    except ConfigError:
+        return None
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:

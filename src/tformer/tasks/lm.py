@@ -132,24 +132,16 @@ def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tok
                 temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = 0.95,
                 seed: int = 0) -> str:
     """Prompt + a sampled continuation, reproducible for a seed (the global RNG is not touched).
-    Beyond the model's context it continues in chunks, each conditioned on the last half-context
-    of text (learned positions do not extend past max_seq_len)."""
-    from ..generation import generate
+    Beyond the model's context it continues from the last half-context (generation.windowed)."""
+    from ..generation import prompt_ids, windowed
 
-    device = next(model.parameters()).device
-    window = model.cfg.max_seq_len
-    ids = tokenizer.encode(prompt) or [tokenizer.bos_id or 0]
-    g = torch.Generator(device=device).manual_seed(seed)
+    ids = prompt_ids(tokenizer, prompt)
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    while max_new_tokens > 0:
-        context = ids[-(window // 2):]
-        n = min(max_new_tokens, window - len(context))
-        with torch.no_grad():
-            out = generate(model, torch.tensor([context], device=device), max_new_tokens=n, do_sample=True,
-                           temperature=temperature, top_k=top_k, top_p=top_p, generator=g)
-        new = out[0, len(context):].tolist()
-        ids += new
-        max_new_tokens = max_new_tokens - n if len(new) == n else 0  # fewer: it stopped at the end token
-    model.train(was_training)
-    return tokenizer.decode(ids)
+    try:
+        new = [int(step[0]) for step in windowed(model, ids, max_new_tokens, do_sample=True, temperature=temperature,
+                                                  top_k=top_k, top_p=top_p, generator=g)]
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(ids + new)

@@ -1,235 +1,25 @@
-"""Seeing inside a model: turn text into model inputs, collect attention maps, and trace one input
-through every step (embeddings, Q/K/V, scores, mask, softmax, weighted sum, concat, W_O, FFN, norm,
-residual) with shapes and a few numbers.
-
-The trace does not re-implement the model: it runs the model's own forward with PyTorch forward
-hooks on every submodule and prints what each module received and returned. The only arithmetic
-done here is for display (scores S = QKᵀ/√d_k, which the fused kernels never expose), and it is
-checked against the model: softmax(S) must equal the α the model returned, α·V must equal what the
-model fed into W_O, and the traced output must equal a plain forward.
-"""
+"""The trace's printer: one line per step of the forward (what it computes, its shape, a few numbers
+of the followed token and head), read from the recorded calls. The only arithmetic here is for
+display (S = QKᵀ/√d_k, α·V), checked against what the model computed."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import unicodedata
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .errors import ConfigError, DataError
-from .viz import AttentionMap
+from ..attention import MultiHeadAttention
+from ..errors import ConfigError
+from ..layers import PreNorm
+from ..masks import with_causal
+from .inputs import Inputs, token_label
+from .recorder import Call, Recorder
 
 
-@dataclass
-class Inputs:
-    """One text (the source for an encoder-decoder) and, for an encoder-decoder, the decoder input."""
-
-    ids: Tensor                       # (1, T)
-    tokens: list[str]                 # a display label per id
-    target_ids: Tensor | None = None  # (1, T_tgt): decoder start token + target tokens
-    target_tokens: list[str] | None = None
-
-
-def model_kind(model: nn.Module) -> str:
-    """"encoder", "classifier", "decoder" or "encoder-decoder"."""
-    from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
-
-    for cls, kind in ((EncoderClassifier, "classifier"), (EncoderDecoder, "encoder-decoder"),
-                      (Decoder, "decoder"), (Encoder, "encoder")):
-        if isinstance(model, cls):
-            return kind
-    raise ConfigError(f"cannot inspect a {type(model).__name__} (expected a tformer model)")
-
-
-def token_label(tokenizer, i: int) -> str:
-    """What token id `i` looks like: its decoded text, with blanks made visible; special tokens
-    (which decode to nothing) by their name."""
-    text = tokenizer.decode([i], skip_special_tokens=False)
-    if not text and hasattr(tokenizer, "hf"):
-        text = tokenizer.hf.id_to_token(i) or ""
-    if not text:
-        return f"<{i}>"
-    if not text.strip():
-        return text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
-    return text.strip().replace("\n", "⏎")
-
-
-def _encode(tokenizer, text: str, cfg, what: str) -> list[int]:
-    """Token ids as the model saw them in training. HF tokenizers with a post-processor (BERT's
-    [CLS] ... [SEP]) add their special tokens; tformer's own char/BPE tokenizers have none. Padding
-    and truncation that a tokenizer.json may switch on are undone / reported, not applied silently."""
-    from .tokenizers import check_text
-
-    check_text(text)  # bytes that are not UTF-8 (from argv or stdin): a clear error, not a TypeError
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None:
-        ids = tokenizer.encode(text)
-    else:
-        if hf.padding or hf.truncation:  # a copy without them: the caller's tokenizer stays as it was
-            from tokenizers import Tokenizer as HFTokenizer
-
-            hf = HFTokenizer.from_str(hf.to_str())
-            hf.no_padding()
-            hf.no_truncation()
-        ids = hf.encode(text, add_special_tokens=True).ids
-    if not ids:
-        raise DataError(f"{what} is empty after tokenization (give some text)")
-    if len(ids) > cfg.max_seq_len:
-        raise DataError(f"{what} is {len(ids)} tokens but the model's context is {cfg.max_seq_len} tokens "
-                        "(shorten the text)")
-    return ids
-
-
-def prepare(model: nn.Module, tokenizer, text: str, target: str | None = None, source_tokenizer=None) -> Inputs:
-    """Tokenize `text` (and `target`, the decoder side of an encoder-decoder) for `model`.
-    An encoder-decoder without a target decodes greedily from the source to get one.
-    `source_tokenizer` reads `text` when the source has its own vocabulary (src_vocab_size)."""
-    kind, cfg = model_kind(model), model.cfg
-    if target is not None and kind != "encoder-decoder":
-        raise ConfigError(f"--target is only for encoder-decoder models (this is a {kind})")
-    src_tok = source_tokenizer or tokenizer
-    ids = _encode(src_tok, text, cfg, "the text")
-    inputs = Inputs(torch.tensor([ids]), [token_label(src_tok, i) for i in ids])
-    if kind == "encoder-decoder":
-        start = next((i for i in (cfg.decoder_start_token_id, cfg.pad_token_id, cfg.bos_token_id) if i is not None),
-                     None)
-        if start is None:
-            raise ConfigError("the model config has no decoder_start_token_id, pad_token_id or bos_token_id "
-                              "(set one in config.json)")
-        if target is not None:
-            tgt = [start] + _encode(tokenizer, target, cfg, "the target")
-        else:
-            tgt = _greedy_target(model, inputs.ids, start, tokenizer)
-        if len(tgt) > cfg.max_seq_len:
-            raise DataError(f"the target is {len(tgt)} tokens with the start token but the model's context "
-                            f"is {cfg.max_seq_len} tokens (shorten the target)")
-        inputs.target_ids = torch.tensor([tgt])
-        inputs.target_tokens = [token_label(tokenizer, i) for i in tgt]
-    return inputs
-
-
-def _greedy_target(model, src: Tensor, start: int, tokenizer) -> list[int]:
-    if not hasattr(model, "generate"):
-        raise ConfigError("this encoder-decoder cannot generate a target yet (pass --target \"...\")")
-    eos = model.cfg.eos_token_id if model.cfg.eos_token_id is not None else tokenizer.eos_id
-    with torch.no_grad():
-        out = model.generate(src, max_new_tokens=min(24, model.cfg.max_seq_len - 1), do_sample=False,
-                             eos_token_id=eos)
-    return [start] + out[0, 1:].tolist()
-
-
-@torch.no_grad()
-def run(model: nn.Module, inputs: Inputs, return_attention: bool = False):
-    """The model's forward on `inputs` (in eval mode: no dropout), on the model's device."""
-    model.eval()
-    device = next(model.parameters()).device
-    if inputs.target_ids is not None:
-        return model(inputs.ids.to(device), inputs.target_ids.to(device), return_attention=return_attention)
-    return model(inputs.ids.to(device), return_attention=return_attention)
-
-
-def attention_maps(model: nn.Module, inputs: Inputs) -> list[AttentionMap]:
-    """Every kind of attention of `model` on `inputs`, batch row 0, as AttentionMaps."""
-    _, weights = run(model, inputs, return_attention=True)
-
-    def rows(per_layer):  # list of (1, H, Tq, Tk) -> list of (H, Tq, Tk) nested lists
-        return [w[0].float().tolist() for w in per_layer]
-
-    src, tgt = inputs.tokens, inputs.target_tokens
-    if isinstance(weights, dict):  # encoder-decoder
-        return [AttentionMap("encoder self-attention", rows(weights["encoder"]), src, src),
-                AttentionMap("decoder self-attention", rows(weights["decoder"]), tgt, tgt, causal=True),
-                AttentionMap("cross-attention", rows(weights["cross"]), tgt, src)]
-    if model_kind(model) == "decoder":
-        return [AttentionMap("self-attention (causal)", rows(weights), src, src, causal=True)]
-    return [AttentionMap("self-attention", rows(weights), src, src)]
-
-
-# ----------------------------------------------------------------------------- recording calls
-
-@dataclass
-class Call:
-    start: int      # sequence numbers of entering and leaving the module
-    end: int
-    args: tuple
-    kwargs: dict
-    output: object
-
-
-class Recorder:
-    """Forward hooks on every submodule: `calls[module]` = each call's inputs and output, in order."""
-
-    def __init__(self, model: nn.Module):
-        self.calls: dict[nn.Module, list[Call]] = {}
-        self._clock, self._open, self._handles = 0, {}, []
-        for m in model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._leave, with_kwargs=True))
-
-    def _enter(self, module, args, kwargs):
-        self._clock += 1
-        self._open.setdefault(module, []).append(self._clock)
-
-    def _leave(self, module, args, kwargs, output):
-        self._clock += 1
-        start = self._open[module].pop()
-        self.calls.setdefault(module, []).append(Call(start, self._clock, args, kwargs, output))
-
-    def within(self, module: nn.Module | None, parent: Call) -> list[Call]:
-        """Calls of `module` made while `parent` was running."""
-        return [c for c in self.calls.get(module, []) if parent.start < c.start and c.end < parent.end]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-# ----------------------------------------------------------------------------- the trace
-
-def trace(model: nn.Module, inputs: Inputs, tokenizer=None, token: int | None = None, head: int = 0,
-          n_numbers: int = 4) -> str:
-    """A readable account of `inputs` going through `model`: one line per step with its shape and,
-    for the followed `token` (default: the last; the first for a classifier) and `head`, a few numbers."""
-    kind, cfg = model_kind(model), model.cfg
-    if not 0 <= head < cfg.n_heads:
-        raise ConfigError(f"--head {head} is out of range (the model has heads 0..{cfg.n_heads - 1})")
-    rec = Recorder(model)
-    try:
-        traced, _ = run(model, inputs, return_attention=True)
-    finally:
-        rec.remove()
-    p = _Printer(model, rec, tokenizer, head, n_numbers)
-    src_len = inputs.ids.size(1)
-    p.token = p.pick(token, src_len, kind == "classifier")
-    p.header(kind, inputs)
-    call = rec.calls[model][0]
-    if kind == "encoder-decoder":
-        p.stack(model.encoder, rec.within(model.encoder, call)[0], "encoder (source, T_src tokens)", "T_src",
-                inputs.tokens)
-        p.token = p.pick(token, inputs.target_ids.size(1), False)
-        p.stack(model.decoder, rec.within(model.decoder, call)[0], "decoder (target, T tokens)", "T",
-                inputs.target_tokens, memory_tokens=inputs.tokens)
-        p.logits(rec.within(model.lm_head, call)[0], inputs.target_tokens)
-    elif kind == "decoder":
-        p.stack(model.stack, rec.within(model.stack, call)[0], "decoder", "T", inputs.tokens)
-        p.logits(rec.within(model.lm_head, call)[0], inputs.tokens)
-    elif kind == "classifier":
-        p.stack(model.encoder, rec.within(model.encoder, call)[0], "encoder", "T", inputs.tokens)
-        p.classify(model, rec.within(model.head, call)[0])
-    else:
-        p.stack(model, call, "encoder", "T", inputs.tokens)
-        p.line(0, "output: contextual vectors", p.shape(traced, "B T D"), p.vec(traced[0, p.token]))
-    plain = run(model, inputs)  # the normal (fused) path, without weights
-    diff = (traced.float() - plain.float()).abs().max().item()
-    if not torch.allclose(traced.float(), plain.float(), atol=1e-4, rtol=1e-4):
-        raise RuntimeError(f"traced output differs from the model's forward by {diff:.3g} (a tformer bug)")
-    p.lines.append(f"check: traced output = model forward without weights (max |Δ| = {diff:.1e})")
-    return "\n".join(p.lines)
-
-
-class _Printer:
+class Printer:
     WIDTH = 50
 
     def __init__(self, model, rec: Recorder, tokenizer, head: int, n: int):
@@ -316,8 +106,6 @@ class _Printer:
                   self.vec(c.output[0, i], "x_i="))
 
     def residual(self, wrapper, c: Call, sub, L: str, keys: list[str]) -> None:
-        from .layers import PreNorm
-
         i, sub_call = self.token, self.rec.within(sub, c)[0]
         norm = type(wrapper.norm).__name__
         if isinstance(wrapper, PreNorm):
@@ -333,18 +121,12 @@ class _Printer:
                       self.vec(c.output[0, i], "x_i="))
 
     def sublayer(self, sub, c: Call, L: str, keys: list[str]) -> None:
-        from .attention import MultiHeadAttention
-
         if isinstance(sub, MultiHeadAttention):
             self.attention(sub, c, L, keys)
         else:
             self.ffn(sub, c, L)
 
     def attention(self, mha, c: Call, L: str, keys: list[str]) -> None:
-        import inspect
-
-        from .masks import causal_mask
-
         i, h, rec = self.token, self.head, self.rec
         bound = inspect.signature(mha.forward).bind(*c.args, **c.kwargs).arguments
         K = "T_src" if mha.cross else L
@@ -354,12 +136,10 @@ class _Printer:
         self.line(1, f"{kind}, H={mha.n_heads} heads of d_k={mha.head_dim}")
         # Q, K, V as the model's own projections produced them (split into heads the way the layer does)
         if mha.cross:
-            q = mha._heads(rec.within(mha.q_proj, c)[0].output, mha.n_heads)
-            k, v = (mha._heads(t, mha.n_kv_heads) for t in rec.within(mha.kv_proj, c)[0].output.chunk(2, dim=-1))
+            q = mha.split_heads(rec.within(mha.q_proj, c)[0].output, mha.n_heads)
+            k, v = mha.kv_heads(rec.within(mha.kv_proj, c)[0].output)
         else:
-            kv_dim = mha.n_kv_heads * mha.head_dim
-            q, k, v = rec.within(mha.qkv_proj, c)[0].output.split([mha.n_heads * mha.head_dim, kv_dim, kv_dim], -1)
-            q, k, v = mha._heads(q, mha.n_heads), mha._heads(k, mha.n_kv_heads), mha._heads(v, mha.n_kv_heads)
+            q, k, v = mha.qkv_heads(rec.within(mha.qkv_proj, c)[0].output)
         src = "C" if mha.cross else "X"
         hk = h // (mha.n_heads // mha.n_kv_heads)  # the K/V head that query head h reads
         self.line(2, "Q = X W_Q, split into heads", self.shape(q, f"B H {L} d_k"), self.vec(q[0, h, i], "q_i="))
@@ -378,8 +158,7 @@ class _Printer:
                   self.shape(scores, f"B H {L} {K}"), self.vec(scores[0, h, i], "s_i·="))
         mask = bound.get("mask")
         if bound.get("is_causal"):
-            causal = causal_mask(q.size(2), k.size(2), device=q.device)
-            mask = causal if mask is None else mask & causal
+            mask = with_causal(mask, q.size(2), k.size(2), device=q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
             hidden = [j for j, ok in enumerate(mask.expand_as(scores)[0, h, i].tolist()) if not ok]

@@ -1,0 +1,56 @@
+"""Helpers that several commands share: reading input lines, loading a task's checkpoint, and
+refusing to overwrite a destination. A command imports these from here, never from a sibling command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tformer.errors import CheckpointError, DataError, TformerError
+
+
+def read_inputs(texts: list[str], what: str = "text") -> list[str]:
+    """The texts from the command line, else the lines of stdin; an empty one is an error (it would
+    silently shift every later output line against its input)."""
+    if not texts:
+        if sys.stdin.isatty():
+            raise DataError(f"no input: give {what}s as arguments or pipe lines on stdin")
+        texts = sys.stdin.read().splitlines()
+        where = "line"
+    else:
+        where = "argument"
+    for i, t in enumerate(texts, 1):
+        if not t.strip():
+            raise DataError(f"{where} {i} is empty (every input {what} must have some text)")
+    if not texts:
+        raise DataError("no input: stdin was empty")
+    return texts
+
+
+def load_task_model(path: str, kind: str, what: str, task: str):
+    """(model, tokenizer, max_len, meta) of a checkpoint that must hold a model of `kind`
+    (model.kind; `what` in messages)."""
+    from tformer.checkpoint import load, read_config
+    from tformer.tokenizers import load_tokenizer
+
+    model = load(path)
+    if model.kind != kind:
+        raise CheckpointError(f"{path} holds a {type(model).__name__}, not {what} "
+                              f"(train one with `tformer train --task {task}`)")
+    tokenizer = load_tokenizer(path)
+    meta = read_config(path).get("meta", {})
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    return model, tokenizer, max_len, meta
+
+
+def check_destination(src: Path, dst: Path, force: bool) -> None:
+    """Never overwrite what the user has, unless asked; never replace the source with its copy."""
+    if dst.exists() and not dst.is_dir():
+        raise TformerError(f"{dst} exists and is not a directory (choose another DST)")
+    above = next((p for p in dst.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise TformerError(f"cannot create {dst}: {above} is a file, not a directory (choose another DST)")
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise TformerError(f"DST {dst} is the same directory as SRC (choose another DST)")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise TformerError(f"{dst} exists and is not empty (pass --force to replace it)")

@@ -1,0 +1,54 @@
+"""Which device to run on, and how much memory it has: plain probes of the machine.
+
+This module sits below every other: it imports only torch and the leaf `errors` module, so the
+model core (linear.py), the resource checks (limits.py) and training can all use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import ConfigError
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """--device auto/cpu/cuda -> a torch.device (cuda: this process's GPU, `local_rank`)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is available (use --device cpu)")
+        return torch.device("cuda", local_rank)
+    if name != "cpu":
+        raise ConfigError(f"--device {name!r}: choose auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def device_memory(device: torch.device | str) -> int:
+    """Total bytes of memory of `device`: the GPU's, or the machine's RAM (within a cgroup limit)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's memory limit (cgroup v2), when lower than the machine's
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM the kernel says can still be used without swapping (MemAvailable), or None
+    where /proc/meminfo does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

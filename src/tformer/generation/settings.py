@@ -1,0 +1,92 @@
+"""The arguments of generate(), checked once, with Hugging Face's names, meanings and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+
+@dataclass
+class Settings:
+    """The arguments of generate(), checked. Defaults are HF's."""
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    tokenizer: object = None
+    use_cache: bool = True
+
+    def check(self) -> None:
+        def bad(name: str, why: str):
+            raise ConfigError(f"{name}={getattr(self, name)!r} {why}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be an integer >= 0")
+        if self.temperature is None or not self.temperature >= 0:  # `not >=` also refuses NaN
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            bad("top_k", "must be an integer >= 0 (0 or None turns top-k off)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1] (1 turns top-p off)")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0 (1 turns it off)")
+        if not isinstance(self.num_beams, int) or self.num_beams < 1:
+            bad("num_beams", "must be an integer >= 1")
+        if self.early_stopping not in (True, False, "never"):
+            bad("early_stopping", "must be True, False or 'never'")
+        if not isinstance(self.num_return_sequences, int) or self.num_return_sequences < 1:
+            bad("num_return_sequences", "must be an integer >= 1")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            bad("num_return_sequences", f"cannot exceed num_beams={self.num_beams}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            bad("stop_sequences", "must not contain an empty sequence")
+        if self.stop_strings and self.tokenizer is None:
+            bad("stop_strings", "need tokenizer=... to decode the generated tokens")
+
+    @property
+    def greedy(self) -> bool:
+        """Sampling at temperature 0 is greedy decoding (the limit of softmax(z / t) as t -> 0)."""
+        return not self.do_sample or self.temperature == 0
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else [int(i) for i in x]
+
+
+def make_settings(model, *, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
+                  min_p=None, repetition_penalty=1.0, num_beams=1, length_penalty=1.0, early_stopping=False,
+                  num_return_sequences=1, eos_token_id=None, pad_token_id=None, stop_sequences=None,
+                  stop_strings=None, tokenizer=None, use_cache=True) -> Settings:
+    """eos_token_id / pad_token_id default to the model config's (pass eos_token_id=[] for none);
+    finished rows are padded with pad_token_id, else the first EOS id, else 0."""
+    cfg = model.cfg
+    # None means "the default", as in HF (top_k=None: no top-k filter)
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
+    length_penalty = 1.0 if length_penalty is None else length_penalty
+    eos = _as_list(cfg.eos_token_id if eos_token_id is None else eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    s = Settings(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, num_beams,
+                 length_penalty, early_stopping, num_return_sequences, eos, pad,
+                 [list(map(int, q)) for q in (stop_sequences or [])],
+                 [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or []), tokenizer, use_cache)
+    s.check()
+    return s
