@@ -91,7 +91,8 @@ class ModelConfig:
         width and depth (n_decoder_heads, d_decoder_ff, n_decoder_layers); anything else is self."""
         if stack != "decoder" or self.kind != "encoder-decoder":
             return self
-        return dataclasses.replace(self, n_heads=self.n_decoder_heads or self.n_heads, d_ff=self.d_decoder_ff or self.d_ff,
+        return dataclasses.replace(self, n_heads=self.n_decoder_heads or self.n_heads,
+                                   d_ff=self.d_decoder_ff or self.d_ff,
                                    n_layers=self.decoder_layers, n_decoder_layers=None, n_decoder_heads=None,
                                    d_decoder_ff=None)
 
