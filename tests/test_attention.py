@@ -10,14 +10,16 @@ from tformer.attention import MultiHeadAttention, attention, fused_attention, un
 from tformer.masks import causal_mask, combine, padding_mask
 
 
-def hand_attention(q, k, v, allowed):
-    """s_ij = q_i·k_j/√d_k; α_ij = exp(s_ij)/Σ_j' exp(s_ij') over allowed keys; o_i = Σ_j α_ij v_j.
+def hand_attention(q, k, v, allowed, bias=None, scale=None):
+    """s_ij = q_i·k_j/√d_k (+ b_ij); α_ij = exp(s_ij)/Σ_j' exp(s_ij') over allowed keys; o_i = Σ_j α_ij v_j.
     Plain Python loops over one head; `allowed[i][j]` is True where query i may see key j."""
     t_q, t_k, d_k = q.shape[0], k.shape[0], q.shape[1]
+    scale = 1 / math.sqrt(d_k) if scale is None else scale
     out = torch.zeros(t_q, v.shape[1], dtype=torch.float64)
     alpha = torch.zeros(t_q, t_k, dtype=torch.float64)
     for i in range(t_q):
-        s = {j: sum(float(q[i, c]) * float(k[j, c]) for c in range(d_k)) / math.sqrt(d_k)
+        s = {j: sum(float(q[i, c]) * float(k[j, c]) for c in range(d_k)) * scale
+             + (float(bias[i][j]) if bias is not None else 0.0)
              for j in range(t_k) if allowed[i][j]}
         z = sum(math.exp(x) for x in s.values())
         for j, x in s.items():
@@ -43,6 +45,29 @@ def test_reference_equals_hand_formula(causal):
         o_hand, a_hand = hand_attention(q[0, head], k[0, head], v[0, head], allowed)
         torch.testing.assert_close(alpha[0, head].double(), a_hand, atol=1e-6, rtol=0)
         torch.testing.assert_close(out[0, head].double(), o_hand, atol=1e-6, rtol=0)
+
+
+def test_bias_and_scale_enter_the_hand_formula():
+    """T5's attention: s_ij = q_i·k_j + b_ij (no 1/√d_k), causal."""
+    q, k, v = qkv(b=1, h=2, t_q=4, t_k=6, hd=3)
+    bias = torch.randn(1, 2, 4, 6, generator=torch.Generator().manual_seed(1))
+    out, alpha = attention(q, k, v, is_causal=True, return_weights=True, bias=bias, scale=1.0)
+    allowed = causal_mask(4, 6).tolist()
+    for head in range(2):
+        o_hand, a_hand = hand_attention(q[0, head], k[0, head], v[0, head], allowed, bias[0, head], scale=1.0)
+        torch.testing.assert_close(alpha[0, head].double(), a_hand, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[0, head].double(), o_hand, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "combined", "is_causal"])
+def test_fused_and_unfused_equal_reference_with_a_bias(kind):
+    q, k, v = qkv(b=2, h=3, t_q=6, t_k=6, hd=8)
+    mask = masks_for(2, 6).get(kind)
+    bias = torch.randn(1, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    kw = dict(is_causal=kind == "is_causal", bias=bias, scale=0.5)
+    ref = attention(q, k, v, mask, **kw)
+    torch.testing.assert_close(fused_attention(q, k, v, mask, **kw), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(unfused_attention(q, k, v, mask, **kw), ref, atol=1e-5, rtol=0)
 
 
 def masks_for(b, t):

@@ -28,6 +28,30 @@ def test_src_vocab_size_round_trips_and_old_configs_load_without_it():
     assert ModelConfig.from_dict(old).src_vocab_size is None          # a config.json from before the field
 
 
+def test_per_stack_shapes_round_trip_and_shape_the_decoder():
+    cfg = ModelConfig(kind="encoder-decoder", d_model=32, n_heads=4, n_layers=2, n_decoder_layers=3,
+                      n_decoder_heads=8, d_ff=40, d_decoder_ff=56)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    dec = cfg.stack_config("decoder")
+    assert (dec.n_heads, dec.head_dim, dec.ffn_dim, dec.n_layers) == (8, 4, 56, 3)
+    assert cfg.stack_config("encoder") is cfg
+    model = EncoderDecoder(cfg)
+    assert (model.encoder.layers[0].attn.n_heads, model.decoder.layers[0].attn.n_heads,
+            model.decoder.layers[0].cross_attn.n_heads) == (4, 8, 8)
+    assert (model.encoder.layers[0].ffn.down.in_features, model.decoder.layers[0].ffn.down.in_features) == (40, 56)
+    assert (len(model.encoder.layers), len(model.decoder.layers)) == (2, 3)
+    cache = model.new_cache(2, 10)
+    assert cache.layers[0].k.shape == (2, 8, 10, 4)
+
+
+def test_configs_saved_before_the_per_stack_and_t5_fields_still_load():
+    new = ("n_decoder_heads", "d_decoder_ff", "head_size", "relative_buckets", "relative_max_distance",
+           "attention_scale", "output_scale")
+    old = {k: v for k, v in ModelConfig(kind="encoder-decoder").to_dict().items() if k not in new}
+    cfg = ModelConfig.from_dict(old)
+    assert (cfg.n_decoder_heads, cfg.d_decoder_ff, cfg.head_size, cfg.attention_scale) == (None, None, None, True)
+
+
 def test_attention_dropout_follows_dropout_unless_set():
     assert ModelConfig(dropout=0.2).attention_dropout == 0.2
     assert ModelConfig(dropout=0.2, attn_dropout=0.0).attention_dropout == 0.0
@@ -59,6 +83,15 @@ def test_attention_dropout_follows_dropout_unless_set():
     (dict(src_vocab_size=40), "src_vocab_size"),                       # only for an encoder-decoder
     (dict(kind="encoder-decoder", src_vocab_size=0), "src_vocab_size"),
     (dict(kind="encoder-decoder", src_vocab_size=True), "src_vocab_size"),
+    (dict(n_decoder_heads=2), "n_decoder_heads"),                      # only for an encoder-decoder
+    (dict(d_decoder_ff=64), "d_decoder_ff"),
+    (dict(kind="encoder-decoder", d_model=32, n_decoder_heads=5), "n_decoder_heads=5"),
+    (dict(kind="encoder-decoder", n_heads=4, n_kv_heads=2, n_decoder_heads=3, head_size=8), "n_kv_heads"),
+    (dict(kind="encoder-decoder", d_model=24, n_heads=4, n_decoder_heads=8, positional="rope"), "n_decoder_heads=8"),
+    (dict(head_size=0), "head_size"),
+    (dict(positional="relative", relative_buckets=2), "relative_buckets"),
+    (dict(attention_scale="no"), "attention_scale"),
+    (dict(output_scale=True), "output_scale"),
 ])
 def test_invalid_configs_raise_value_error_naming_the_field(fields, named):
     with pytest.raises(ValueError, match=named):
@@ -66,7 +99,7 @@ def test_invalid_configs_raise_value_error_naming_the_field(fields, named):
 
 
 def test_allowed_values_are_listed():
-    with pytest.raises(ConfigError, match="gelu, gelu_tanh, relu, silu, swiglu"):
+    with pytest.raises(ConfigError, match="gelu, gelu_tanh, relu, silu, swiglu, geglu"):
         ModelConfig(activation="tanh")
 
 

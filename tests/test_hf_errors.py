@@ -46,8 +46,8 @@ def test_unexpected_tensor_is_named(gpt2_dir):
 
 
 def test_unsupported_model_type_is_named(tmp_path):
-    transformers.T5Config(d_model=16, num_layers=1, num_heads=2, d_ff=32, d_kv=8).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="model_type='t5' is not supported"):
+    transformers.WhisperConfig(d_model=16, encoder_layers=1, decoder_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="model_type='whisper' is not supported"):
         tformer.from_hf(tmp_path)
 
 

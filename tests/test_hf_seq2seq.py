@@ -16,6 +16,9 @@ MARIAN = [
     dict(vocab_size=45, d_model=20, encoder_attention_heads=5, decoder_attention_heads=5, encoder_layers=1,
          decoder_layers=3, encoder_ffn_dim=36, decoder_ffn_dim=36, max_position_embeddings=64,
          activation_function="relu", pad_token_id=44, decoder_start_token_id=44, tie_word_embeddings=False),
+    dict(vocab_size=45, d_model=24, encoder_attention_heads=2, decoder_attention_heads=6, encoder_layers=3,
+         decoder_layers=1, encoder_ffn_dim=48, decoder_ffn_dim=20, max_position_embeddings=64,
+         scale_embedding=True, pad_token_id=44, decoder_start_token_id=44),      # the two stacks differ
 ]
 BART = [
     dict(vocab_size=61, d_model=24, encoder_attention_heads=3, decoder_attention_heads=3, encoder_layers=2,
@@ -23,19 +26,30 @@ BART = [
     dict(vocab_size=45, d_model=20, encoder_attention_heads=5, decoder_attention_heads=5, encoder_layers=1,
          decoder_layers=3, encoder_ffn_dim=36, decoder_ffn_dim=36, max_position_embeddings=64,
          scale_embedding=True, activation_function="gelu_new", tie_word_embeddings=False),
+    dict(vocab_size=61, d_model=32, encoder_attention_heads=4, decoder_attention_heads=8, encoder_layers=2,
+         decoder_layers=3, encoder_ffn_dim=40, decoder_ffn_dim=56, max_position_embeddings=64),  # the shape
 ]
 CASES = [(transformers.MarianConfig, transformers.MarianMTModel, c) for c in MARIAN] + \
         [(transformers.BartConfig, transformers.BartForConditionalGeneration, c) for c in BART]
 NO_EOS = dict(eos_token_id=None, forced_eos_token_id=None)   # both sides generate exactly max_new_tokens
 
 
-@pytest.fixture(scope="module", params=range(len(CASES)), ids=["marian-a", "marian-b", "bart-a", "bart-b"])
+@pytest.fixture(scope="module", params=range(len(CASES)), ids=["marian-a", "marian-b", "marian-c", "bart-a", "bart-b", "bart-c"])
 def pair(request, tmp_path_factory):
     config_cls, model_cls, kw = CASES[request.param]
     path = tmp_path_factory.mktemp("s2s")
     hf = save_hf(model_cls(config_cls(**kw, **NO_EOS)), path, seed=10 + request.param,
                  share_embeddings=not kw.get("tie_word_embeddings", True))
     return hf, tformer.from_hf(path)
+
+
+def test_encoder_and_decoder_may_differ_in_heads_ffn_width_and_depth(pair):
+    hf, ours = pair
+    enc, dec = hf.config, ours.cfg.stack_config("decoder")
+    assert (ours.cfg.n_heads, ours.cfg.ffn_dim, ours.cfg.n_layers) == (
+        enc.encoder_attention_heads, enc.encoder_ffn_dim, enc.encoder_layers)
+    assert (dec.n_heads, dec.ffn_dim, dec.n_layers) == (enc.decoder_attention_heads, enc.decoder_ffn_dim,
+                                                        enc.decoder_layers)
 
 
 def test_forward_equals_hf_with_padding_on_both_sides(pair):
@@ -101,9 +115,8 @@ def test_separate_encoder_and_decoder_embeddings_are_refused(tmp_path):
 @pytest.mark.parametrize("family, change, named", [
     ("bart", dict(normalize_before=True), "normalize_before"),
     ("bart", dict(add_final_layer_norm=True), "add_final_layer_norm"),
-    ("bart", dict(decoder_attention_heads=4), "head counts"),
-    ("marian", dict(decoder_ffn_dim=48), "FFN widths"),
     ("marian", dict(share_encoder_decoder_embeddings=False), "share_encoder_decoder_embeddings"),
+    ("bart", dict(decoder_attention_heads=5), "d_model=24 must be divisible by n_decoder_heads=5"),
 ])
 def test_features_tformer_lacks_are_refused(family, change, named, tmp_path):
     base = {"bart": BART[0], "marian": MARIAN[0]}[family]

@@ -1,8 +1,9 @@
 """Attention: softmax(QKᵀ/√d_k)V, multi-head attention, and the KV cache.
 
 Shape letters used below: B batch, H query heads, H_kv key/value heads (H_kv < H: grouped-query
-attention), T_q query length, T_k key length, hd head size = d_model / H, D = d_model.
-Masks are bool, True = may attend (see masks.py), broadcastable to (B, H, T_q, T_k).
+attention), T_q query length, T_k key length, hd head size (d_model / H unless set), D = d_model.
+Masks are bool, True = may attend (see masks.py), broadcastable to (B, H, T_q, T_k). A position
+bias (T5's relative bias) is a float added to the scores, broadcastable to (B, H, T_q, T_k).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from .masks import Packing, with_causal
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
-              is_causal: bool = False, return_weights: bool = False):
+              is_causal: bool = False, return_weights: bool = False, bias: Tensor | None = None,
+              scale: float | None = None):
     """The reference path, written as the formula: for query i and key j
 
-        s_ij = q_i · k_j / √d_k            (score)
+        s_ij = q_i · k_j / √d_k  (+ b_ij)  (score; `scale` replaces 1/√d_k, `bias` adds b_ij)
         α_ij = exp(s_ij) / Σ_j' exp(s_ij')   (softmax over keys; masked keys get s = -∞, so α = 0)
         o_i  = Σ_j α_ij v_j                 (weighted sum of values)
 
@@ -30,7 +32,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropo
     when return_weights=True.
     """
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))                     # (B, H, T_q, T_k)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(q.size(-1)))  # (B, H, T_q, T_k)
+    if bias is not None:
+        scores = scores + bias
     if is_causal:
         mask = with_causal(mask, q.size(-2), k.size(-2), device=q.device)
     if mask is not None:
@@ -42,15 +46,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropo
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
-                    is_causal: bool = False) -> Tensor:
+                    is_causal: bool = False, bias: Tensor | None = None, scale: float | None = None) -> Tensor:
     """The same computation through PyTorch's fused kernels (flash / memory-efficient / math).
-    They never materialise α, so they cannot return it."""
+    They never materialise α, so they cannot return it. A bias goes in as a float mask."""
+    if bias is not None:
+        mask, is_causal = bias_mask(bias, mask, is_causal, q), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          enable_gqa=k.size(1) != q.size(1))
+                                          scale=scale, enable_gqa=k.size(1) != q.size(1))
+
+
+def bias_mask(bias: Tensor, mask: Tensor | None, is_causal: bool, q: Tensor) -> Tensor:
+    """The bool mask (and the causal one) folded into the additive bias: b where allowed, -inf elsewhere."""
+    if is_causal:
+        mask = with_causal(mask, q.size(-2), bias.size(-1), device=q.device)
+    bias = bias.to(q.dtype)
+    return bias if mask is None else torch.where(mask, bias, float("-inf"))
 
 
 def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
-                      is_causal: bool = False) -> Tensor:
+                      is_causal: bool = False, bias: Tensor | None = None, scale: float | None = None) -> Tensor:
     """The formula in plain ops and in the input's dtype: the fast way to *train* in bf16 on a CPU.
     PyTorch's CPU flash kernel has a slow backward pass; here one baddbmm computes the scaled scores
     plus the mask (0 or -inf) and the softmax and αV follow: 2x faster than the flash kernel, forward
@@ -58,13 +72,17 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     B, H, t_q, hd = q.shape
     t_k = k.size(-2)
-    if is_causal:
-        mask = with_causal(mask, t_q, t_k, device=q.device)
-    bias = torch.zeros(mask.shape if mask is not None else (), dtype=q.dtype, device=q.device)
-    if mask is not None:
-        bias.masked_fill_(~mask, float("-inf"))                                  # 0 where allowed, -inf elsewhere
-    scores = torch.baddbmm(bias.expand(B, H, t_q, t_k).reshape(B * H, t_q, t_k), q.reshape(B * H, t_q, hd),
-                           k.reshape(B * H, t_k, hd).transpose(1, 2), alpha=hd ** -0.5)   # (B·H, T_q, T_k)
+    if bias is not None:
+        additive = bias_mask(bias, mask, is_causal, q)                           # b where allowed, -inf elsewhere
+    else:
+        if is_causal:
+            mask = with_causal(mask, t_q, t_k, device=q.device)
+        additive = torch.zeros(mask.shape if mask is not None else (), dtype=q.dtype, device=q.device)
+        if mask is not None:
+            additive.masked_fill_(~mask, float("-inf"))                          # 0 where allowed, -inf elsewhere
+    scores = torch.baddbmm(additive.expand(B, H, t_q, t_k).reshape(B * H, t_q, t_k), q.reshape(B * H, t_q, hd),
+                           k.reshape(B * H, t_k, hd).transpose(1, 2),
+                           alpha=scale if scale is not None else hd ** -0.5)     # (B·H, T_q, T_k)
     return (dropout(scores.softmax(dim=-1), dropout_p) @ v.reshape(B * H, t_k, hd)).view(B, H, t_q, hd)
 
 
@@ -123,14 +141,17 @@ class MultiHeadAttention(nn.Module):
     decoder stream, C the encoder output.
 
     Self-attention projects Q, K, V with one fused matrix (one GEMM instead of three); cross-attention
-    fuses K and V, which both come from C. `rotary` (RoPE) rotates Q and K when given.
+    fuses K and V, which both come from C. `rotary` (RoPE) rotates Q and K when given. `head_dim`
+    (default d_model / n_heads) may be set on its own (T5's d_kv); `scaled=False` drops the 1/√d_k.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, cross: bool = False, rotary: nn.Module | None = None):
+                 dropout: float = 0.0, cross: bool = False, rotary: nn.Module | None = None,
+                 head_dim: int | None = None, scaled: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.scale = None if scaled else 1.0                                     # None: the kernels' 1/√d_k
         self.cross, self.dropout, self.rotary = cross, dropout, rotary
         q_dim, kv_dim = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
@@ -142,11 +163,12 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, context: Tensor | None = None, mask: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | CrossKVCache | None = None,
-                is_causal: bool = False, need_weights: bool = False,
-                packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
+                is_causal: bool = False, need_weights: bool = False, packing: Packing | None = None,
+                position_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x: (B, T_q, D); context: (B, T_k, D) for cross-attention. Returns (out (B, T_q, D),
         α (B, H, T_q, T_k) or None). `is_causal` asks for the causal mask without building it.
-        With `packing` (self-attention), x and the output hold only the real tokens: (N, D)."""
+        With `packing` (self-attention), x and the output hold only the real tokens: (N, D).
+        `position_bias` (1, H, T_q, T_k) is added to the scores (T5's relative positions)."""
         B, T = packing.shape if packing is not None else x.shape[:2]
         if self.cross:
             q = self.split_heads(self.q_proj(x), self.n_heads)                  # (B, H, T_q, hd)
@@ -167,12 +189,13 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)                                        # (B, H_kv, T_k, hd)
 
         dropout_p = self.dropout if self.training else 0.0
+        extra = dict(bias=position_bias, scale=self.scale)
         if need_weights:
-            out, weights = attention(q, k, v, mask, dropout_p, is_causal, return_weights=True)
+            out, weights = attention(q, k, v, mask, dropout_p, is_causal, return_weights=True, **extra)
         elif q.requires_grad and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            out, weights = unfused_attention(q, k, v, mask, dropout_p, is_causal), None
+            out, weights = unfused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
         else:
-            out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal), None
+            out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)     # concat heads: (B, T_q, H*hd)
         if packing is not None:
             out = packing.pack(out)                                              # (B, T, ·) -> (N, ·)

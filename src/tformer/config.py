@@ -11,8 +11,8 @@ from .errors import ConfigError
 
 KINDS = ("encoder", "decoder", "encoder-decoder")
 NORM_POSITIONS = ("pre", "post")
-POSITIONALS = ("sinusoidal", "learned", "rope")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu")
+POSITIONALS = ("sinusoidal", "learned", "rope", "relative")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 
@@ -27,6 +27,10 @@ class ModelConfig:
     n_heads: int = 4                   # heads run in parallel, each of size d_model / n_heads
     n_layers: int = 2                  # blocks in the encoder, or in the decoder of a decoder-only model
     n_decoder_layers: int | None = None  # encoder-decoder only: decoder depth (None = n_layers)
+    n_decoder_heads: int | None = None   # encoder-decoder only: heads of the decoder's self- and cross-attention
+                                         # (None = n_heads); BART/Marian checkpoints may differ per stack
+    d_decoder_ff: int | None = None      # encoder-decoder only: the decoder's FFN width (None = d_ff)
+    head_size: int | None = None       # size of each head (None = d_model / n_heads); T5 sets its own (d_kv)
     n_kv_heads: int | None = None      # grouped-query attention: K/V heads shared by groups of Q heads (None = n_heads)
     d_ff: int | None = None            # hidden width of the per-token FFN (None = 4 * d_model)
     max_seq_len: int = 256             # longest sequence: sizes learned position tables and the KV cache
@@ -34,8 +38,12 @@ class ModelConfig:
     attn_dropout: float | None = None  # on attention weights (None = dropout); 0 lets training use the fused kernel
     ffn_dropout: float = 0.0           # inside the FFN, after the activation (HF's activation_dropout)
     norm_position: str = "pre"         # "post" = 2017 Add & Norm after the residual; "pre" = modern, trains deeper
-    positional: str = "learned"        # how order enters: "sinusoidal" (2017), "learned" (GPT-2/BERT), "rope" (Llama)
-    activation: str = "gelu"           # FFN non-linearity; "swiglu" is the gated form Llama uses
+    positional: str = "learned"        # how order enters: "sinusoidal" (2017), "learned" (GPT-2/BERT), "rope" (Llama),
+                                       # "relative" (T5: a learned bias per head and distance bucket on the scores)
+    relative_buckets: int = 32         # positional="relative": distance buckets (half per direction in an encoder)
+    relative_max_distance: int = 128   # positional="relative": distances beyond this share the last bucket
+    activation: str = "gelu"           # FFN non-linearity; "swiglu" (Llama) and "geglu" (T5 v1.1, tanh GELU) are gated
+    attention_scale: bool = True       # divide scores by √d_k; T5 does not (its initialisation absorbs the scale)
     norm: str = "layernorm"            # "rmsnorm": no mean subtraction, no bias (Llama)
     norm_eps: float = 1e-5             # HF checkpoints differ (BERT 1e-12, Llama 1e-6); kept exact for parity
     bias: bool = True                  # biases in linear layers and LayerNorm (Llama has none)
@@ -47,7 +55,9 @@ class ModelConfig:
     position_offset: int = 0           # learned positions start at this row (BART reserves 2)
     sinusoidal_layout: str = "interleaved"  # sin/cos on even/odd dims (2017) or first/second half ("split", Marian)
     lm_head_bias: bool = False         # a bias on the output logits (Marian/BART's final_logits_bias)
-    pad_token_id: int | None = None    # generation pads finished rows with it
+    output_scale: bool = False         # encoder-decoder: scale the last hidden state by d_model^-0.5 before the
+                                       # output layer (T5 v1.0, whose output layer is the tied embedding)
+    pad_token_id: int | None = None    # generation pads finished rows with it; encoder-decoder uses it as decoder start
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     decoder_start_token_id: int | None = None  # first decoder input of an encoder-decoder (see decoder_start)
@@ -58,7 +68,7 @@ class ModelConfig:
     # --- derived sizes -------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def attention_dropout(self) -> float:
@@ -85,6 +95,16 @@ class ModelConfig:
         raise ConfigError("the model config has no decoder start token (set decoder_start_token_id, "
                           "bos_token_id or pad_token_id in its config)")
 
+    def stack_config(self, stack: str) -> "ModelConfig":
+        """The config one stack is built from: an encoder-decoder's "decoder" gets its own heads, FFN
+        width and depth (n_decoder_heads, d_decoder_ff, n_decoder_layers); anything else is self."""
+        if stack != "decoder" or self.kind != "encoder-decoder":
+            return self
+        return dataclasses.replace(self, n_heads=self.n_decoder_heads or self.n_heads,
+                                   d_ff=self.d_decoder_ff or self.d_ff,
+                                   n_layers=self.decoder_layers, n_decoder_layers=None, n_decoder_heads=None,
+                                   d_decoder_ff=None)
+
     # --- checks --------------------------------------------------------------------------
     def validate(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -103,19 +123,29 @@ class ModelConfig:
         choice("activation", ACTIVATIONS)
         choice("norm", NORMS)
         choice("sinusoidal_layout", SINUSOIDAL_LAYOUTS)
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len"):
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "max_seq_len", "relative_buckets",
+                     "relative_max_distance"):
             positive(name)
-        for name in ("src_vocab_size", "n_decoder_layers", "n_kv_heads", "d_ff"):
+        for name in ("src_vocab_size", "n_decoder_layers", "n_decoder_heads", "d_decoder_ff", "n_kv_heads", "d_ff",
+                     "head_size"):
             if getattr(self, name) is not None:
                 positive(name)
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                f"(each head gets d_model / n_heads dimensions)")
-        if self.n_heads % self.kv_heads:
-            raise ConfigError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.positional == "rope" and self.head_dim % 2:
-            raise ConfigError(f"positional='rope' needs an even head size, got d_model/n_heads={self.head_dim}")
+        for heads_field in ("n_heads", "n_decoder_heads"):
+            heads = getattr(self, heads_field)
+            if heads is None:
+                continue
+            if self.head_size is None and self.d_model % heads:
+                raise ConfigError(
+                    f"d_model={self.d_model} must be divisible by {heads_field}={heads} "
+                    f"(each head gets d_model / n_heads dimensions, unless head_size is set)")
+            if heads % self.kv_heads:
+                raise ConfigError(f"{heads_field}={heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+            head = self.head_size or self.d_model // heads
+            if self.positional == "rope" and head % 2:
+                raise ConfigError(f"positional='rope' needs an even head size, got {head} ({heads_field}={heads})")
+        if self.positional == "relative" and self.relative_buckets < 4:
+            raise ConfigError(f"relative_buckets={self.relative_buckets} must be at least 4 (half exact, half "
+                              f"log-spaced, per direction)")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
         for name in ("dropout", "attn_dropout", "ffn_dropout"):
@@ -125,12 +155,15 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta"):
             if not is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
-        for name in ("bias", "tie_embeddings", "embed_scale", "embedding_norm", "lm_head_bias"):
+        for name in ("bias", "tie_embeddings", "embed_scale", "embedding_norm", "lm_head_bias", "attention_scale",
+                     "output_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
-        for name in ("n_decoder_layers", "src_vocab_size"):
+        for name in ("n_decoder_layers", "n_decoder_heads", "d_decoder_ff", "src_vocab_size"):
             if getattr(self, name) is not None and self.kind != "encoder-decoder":
                 raise ConfigError(f"{name} is only used when kind='encoder-decoder'")
+        if self.output_scale and self.kind != "encoder-decoder":
+            raise ConfigError("output_scale is only used when kind='encoder-decoder'")
         for name in ("type_vocab_size", "position_offset", "pad_token_id", "bos_token_id", "eos_token_id",
                      "decoder_start_token_id"):
             value = getattr(self, name)

@@ -36,14 +36,19 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+# Gated FFNs: the activation applied to the gate. "geglu" is T5 v1.1's "gated-gelu" (tanh GELU).
+GATED: dict[str, Callable[[Tensor], Tensor]] = {"swiglu": F.silu, "geglu": ACTIVATIONS["gelu_tanh"]}
+
+
 class FeedForward(nn.Module):
     """The position-wise FFN, applied to every token independently: down(act(up(x))).
-    SwiGLU (Llama) gates it: down(silu(gate(x)) * up(x)); gate and up share one fused matrix."""
+    SwiGLU (Llama) gates it: down(silu(gate(x)) * up(x)); gate and up share one fused matrix.
+    GEGLU (T5 v1.1) is the same with GELU on the gate."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        self.gated = activation == "swiglu"
-        self.act = F.silu if self.gated else ACTIVATIONS[activation]
+        self.gated = activation in GATED
+        self.act = GATED[activation] if self.gated else ACTIVATIONS[activation]
         self.up = Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
         self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = Dropout(dropout)
@@ -84,9 +89,9 @@ def residual(cfg: ModelConfig) -> nn.Module:
     return (PreNorm if cfg.norm_position == "pre" else PostNorm)(make_norm(cfg), cfg.dropout)
 
 
-def self_attention(cfg: ModelConfig, rotary: nn.Module | None = None) -> MultiHeadAttention:
-    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.attention_dropout,
-                              rotary=rotary)
+def multi_head_attention(cfg: ModelConfig, rotary: nn.Module | None = None, cross: bool = False) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.attention_dropout, cross=cross,
+                              rotary=rotary, head_dim=cfg.head_dim, scaled=cfg.attention_scale)
 
 
 class EncoderLayer(nn.Module):
@@ -94,19 +99,21 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: nn.Module | None = None):
         super().__init__()
-        self.attn = self_attention(cfg, rotary)
+        self.attn = multi_head_attention(cfg, rotary)
         self.attn_residual = residual(cfg)
         self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.bias, cfg.ffn_dropout)
         self.ffn_residual = residual(cfg)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None,
-                need_weights: bool = False, packing: Packing | None = None) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, packing: Packing | None = None,
+                position_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, D), or (N, D) real tokens only with `packing` (see masks.Packing)."""
         weights = None
 
         def attend(h: Tensor) -> Tensor:
             nonlocal weights
-            h, weights = self.attn(h, mask=mask, positions=positions, need_weights=need_weights, packing=packing)
+            h, weights = self.attn(h, mask=mask, positions=positions, need_weights=need_weights, packing=packing,
+                                   position_bias=position_bias)
             return h
 
         x = self.attn_residual(x, attend)
@@ -120,11 +127,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cross: bool = False, rotary: nn.Module | None = None):
         super().__init__()
-        self.attn = self_attention(cfg, rotary)
+        self.attn = multi_head_attention(cfg, rotary)
         self.attn_residual = residual(cfg)
         if cross:
-            self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias,
-                                                 cfg.attention_dropout, cross=True)
+            self.cross_attn = multi_head_attention(cfg, cross=True)
             self.cross_residual = residual(cfg)
         else:
             self.cross_attn = None
@@ -133,14 +139,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, positions: Tensor | None = None,
                 cache: KVCache | None = None, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                cross_cache: CrossKVCache | None = None, need_weights: bool = False):
-        """x: (B, T, D). `mask` None means plain causal attention (the fused kernel builds it)."""
+                cross_cache: CrossKVCache | None = None, need_weights: bool = False,
+                position_bias: Tensor | None = None):
+        """x: (B, T, D). `mask` None means plain causal attention (the fused kernel builds it).
+        `position_bias` (1, H, T, cached + T): T5's relative bias, on self-attention only."""
         weights, cross_weights = None, None
 
         def attend(h: Tensor) -> Tensor:
             nonlocal weights
             h, weights = self.attn(h, mask=mask, positions=positions, cache=cache,
-                                   is_causal=mask is None and h.size(1) > 1, need_weights=need_weights)
+                                   is_causal=mask is None and h.size(1) > 1, need_weights=need_weights,
+                                   position_bias=position_bias)
             return h
 
         def attend_memory(h: Tensor) -> Tensor:

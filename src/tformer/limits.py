@@ -33,8 +33,8 @@ def training_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
 def generation_bytes(cfg: ModelConfig, sequences: int, total_len: int) -> int:
     """At least: the decoder's key/value cache (fp32 keys and values of every layer for every
     position) and one row of logits per sequence."""
-    layers = cfg.decoder_layers if cfg.kind == "encoder-decoder" else cfg.n_layers
-    kv_width = cfg.kv_heads * cfg.head_dim
+    decoder = cfg.stack_config("decoder")
+    layers, kv_width = decoder.n_layers, decoder.kv_heads * decoder.head_dim
     return sequences * (layers * 2 * total_len * kv_width * 4 + cfg.vocab_size * 4)
 
 

@@ -24,7 +24,7 @@ from .errors import ConfigError
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .masks import Packing, causal_mask, combine, padding_mask
-from .positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from .positional import LearnedPositions, RelativePositionBias, RotaryEmbedding, SinusoidalPositions
 
 
 class Embeddings(nn.Module):
@@ -39,7 +39,7 @@ class Embeddings(nn.Module):
         elif cfg.positional == "sinusoidal":
             self.position = SinusoidalPositions(cfg.max_seq_len, cfg.d_model, cfg.sinusoidal_layout)
         else:
-            self.position = None  # RoPE acts inside attention instead
+            self.position = None  # RoPE and T5's relative bias act inside attention instead
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         self.norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
         self.dropout = Dropout(cfg.dropout)
@@ -80,6 +80,12 @@ def _rotary(cfg: ModelConfig) -> RotaryEmbedding | None:
     return RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.positional == "rope" else None
 
 
+def _relative_bias(cfg: ModelConfig, bidirectional: bool) -> RelativePositionBias | None:
+    if cfg.positional != "relative":
+        return None
+    return RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, bidirectional)
+
+
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """GPT-2 initialisation: N(0, 0.02) weights, zero biases; the projections that write into the
     residual stream are scaled by 1/√(2·layers) so the stream's variance does not grow with depth."""
@@ -107,6 +113,7 @@ class Encoder(nn.Module):
         rotary = _rotary(cfg)
         self.embed = Embeddings(cfg, token_embedding)
         self.layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_layers))
+        self.relative_bias = _relative_bias(cfg, bidirectional=True)
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
         if token_embedding is None:
             init_weights(self, cfg.n_layers)
@@ -116,6 +123,7 @@ class Encoder(nn.Module):
         positions = default_positions(input_ids.size(1), 0, input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)                    # (B, T, D)
         mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False, device=input_ids.device)
+        bias = self.relative_bias(input_ids.size(1), input_ids.size(1)) if self.relative_bias is not None else None
         # Inference on a padded batch: the layers' token-wise work runs on the real tokens only
         # (padding is wasted work; the real tokens' outputs are the same). Padded positions output 0.
         packing = None
@@ -124,7 +132,8 @@ class Encoder(nn.Module):
             x = packing.pack(x)                                                  # (N real tokens, D)
         attentions = []
         for layer in self.layers:
-            x, weights = layer(x, mask, positions, need_weights=return_attention, packing=packing)
+            x, weights = layer(x, mask, positions, need_weights=return_attention, packing=packing,
+                               position_bias=bias)
             attentions.append(weights)
         x = self.norm(x)
         if packing is not None:
@@ -191,6 +200,7 @@ class DecoderStack(nn.Module):
         rotary = _rotary(cfg)
         self.embed = Embeddings(cfg, token_embedding)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cross, rotary) for _ in range(n_layers))
+        self.relative_bias = _relative_bias(cfg, bidirectional=False)
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
@@ -202,6 +212,8 @@ class DecoderStack(nn.Module):
             positions = default_positions(t, offset, ids.device)
         x = self.embed(ids, positions)                                           # (B, T, D)
         mask = self_attention_mask(t, offset, attention_mask, causal=True, device=ids.device)
+        # T5's bias uses the cache slots as positions (as transformers does), not `positions`
+        bias = self.relative_bias(t, offset + t, offset) if self.relative_bias is not None else None
         self_attn, cross_attn = [], []
         for i, layer in enumerate(self.layers):
             x, weights, cross_weights = layer(
@@ -209,7 +221,7 @@ class DecoderStack(nn.Module):
                 cache=cache.layers[i] if cache is not None else None,
                 memory=memory, memory_mask=memory_mask,
                 cross_cache=cache.cross[i] if cache is not None and cache.cross else None,
-                need_weights=return_attention)
+                need_weights=return_attention, position_bias=bias)
             self_attn.append(weights)
             cross_attn.append(cross_weights)
         return self.norm(x), self_attn, cross_attn
@@ -304,8 +316,10 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.src_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model) if cfg.src_vocab_size else None
         self.encoder = Encoder(cfg, token_embedding=self.src_embed if self.src_embed is not None else self.shared)
-        self.decoder = DecoderStack(cfg, cfg.decoder_layers, cross=True, token_embedding=self.shared)
+        self.decoder = DecoderStack(cfg.stack_config("decoder"), cfg.decoder_layers, cross=True,
+                                    token_embedding=self.shared)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        self.output_scale = cfg.d_model ** -0.5 if cfg.output_scale else 1.0     # T5 v1.0 scales before its tied head
         init_weights(self, cfg.n_layers + cfg.decoder_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
@@ -321,7 +335,7 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         memory_mask = combine(padding_mask(src_mask)) if src_mask is not None else None
         hidden, self_attn, cross_attn = self.decoder(tgt_ids, tgt_mask, positions, cache, memory, memory_mask,
                                                      return_attention=return_attention)
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden * self.output_scale)
         return (logits, self_attn, cross_attn) if return_attention else logits
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor, src_mask: Tensor | None = None,
@@ -341,10 +355,10 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         if memory is None:
             raise ConfigError("an EncoderDecoder decodes from the encoder's output: pass memory=model.encode(src)")
         memory_mask = combine(padding_mask(src_mask)) if src_mask is not None else None
-        hidden = self.decoder(ids, attention_mask, positions, cache, memory, memory_mask)[0]
+        hidden = self.decoder(ids, attention_mask, positions, cache, memory, memory_mask)[0] * self.output_scale
         return self.lm_head(hidden if all_logits else hidden[:, -1])
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)
-        return self.decoder.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
+        return self.decoder.new_cache(self.cfg.stack_config("decoder"), batch_size, max_len or self.cfg.max_seq_len,
                                       _cache_dtype(param, dtype), param.device, cross=True)

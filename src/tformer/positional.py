@@ -5,6 +5,8 @@
 - learned (GPT-2, BERT): a trainable table of max_seq_len rows, added to the token embeddings.
 - rotary, RoPE (Llama): nothing is added; instead Q and K are rotated by a position-dependent
   angle per pair of dimensions, so QKᵀ depends on the *relative* offset of the two tokens.
+- relative bias (T5): nothing is added to the tokens; each head adds a learned scalar b(bucket(j - i))
+  to the score of query i and key j, with distances grouped into log-spaced buckets.
 """
 
 from __future__ import annotations
@@ -80,3 +82,47 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)
+
+
+def relative_bucket(relative_position: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket for each key-minus-query offset j - i (any shape of int64). Bidirectional (encoder):
+    half the buckets for keys before the query, half for keys after. Causal (decoder): only keys at or
+    before the query exist, so every bucket serves them. Within a direction's n buckets, distances
+    0 .. n/2 - 1 get a bucket each, and larger ones share log-spaced buckets up to `max_distance`,
+    beyond which all fall in the last:
+
+        bucket(d) = d                                                       if d < n/2
+                  = min(n - 1, n/2 + ⌊log(d / (n/2)) / log(max_distance / (n/2)) · (n - n/2)⌋)  otherwise
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets      # keys after the query: upper half
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp_min(0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.float().clamp_min(1) / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (num_buckets - exact)).long()).clamp_max(num_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's relative position bias: one learned scalar per head and distance bucket, added to the
+    attention scores. One table per stack, computed once per forward and shared by all its layers;
+    bidirectional in the encoder, causal in the decoder; cross-attention has none."""
+
+    def __init__(self, n_heads: int, num_buckets: int, max_distance: int, bidirectional: bool):
+        super().__init__()
+        self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
+        self.weight = nn.Parameter(torch.empty(num_buckets, n_heads))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, t_q: int, t_k: int, offset: int = 0) -> Tensor:
+        """The bias of queries at positions offset .. offset + t_q - 1 (after `offset` cached ones)
+        for keys at 0 .. t_k - 1: (1, H, T_q, T_k)."""
+        device = self.weight.device
+        query = torch.arange(offset, offset + t_q, device=device)[:, None]
+        key = torch.arange(t_k, device=device)[None, :]
+        buckets = relative_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)  # (T_q, T_k)
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)   # (1, H, T_q, T_k)

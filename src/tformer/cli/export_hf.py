@@ -46,5 +46,6 @@ def run(args) -> int:
     tokenizer = _CopyFile(tokenizer_file) if tokenizer_file.exists() else None
     to_hf(model, dst, tokenizer=tokenizer)
     extra = " + tokenizer.json" if tokenizer is not None else ""
-    print(f"exported {type(model).__name__} as {family.MODEL_TYPE} ({family.ARCHITECTURE}){extra}: {dst}")
+    architecture = family.config_to_hf(model.cfg)["architectures"][0]
+    print(f"exported {type(model).__name__} as {family.MODEL_TYPE} ({architecture}){extra}: {dst}")
     return 0

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out: `from_hf(dir)` -> tformer model, `to_hf(model, dir)`.
 
-One small module per family (gpt2, bert, marian, bart, llama) declares its key map (keymap.Rule),
+One small module per family (gpt2, bert, marian, bart, llama, t5) declares its key map (keymap.Rule),
 how config.json maps to ModelConfig (refusing what tformer cannot reproduce exactly), and the
 reverse. This package needs only torch and safetensors: `transformers` is not imported.
 
@@ -30,12 +30,12 @@ from torch import Tensor, nn
 
 from ..checkpoint import load_state, replace_dir, unique_state_dict, write_json_atomic
 from ..errors import CheckpointError, ConfigError
-from . import bart, bert, gpt2, keymap, llama, marian
+from . import bart, bert, gpt2, keymap, llama, marian, t5
 
 log = logging.getLogger(__name__)
-FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, bert, marian, bart, llama)}
+FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, bert, marian, bart, llama, t5)}
 # Export: which HF family each tformer model kind may become, tried in this order.
-EXPORT_ORDER = {"decoder": (gpt2, llama), "encoder": (bert,), "encoder-decoder": (marian, bart)}
+EXPORT_ORDER = {"decoder": (gpt2, llama), "encoder": (bert, t5), "encoder-decoder": (marian, bart, t5)}
 
 
 def read_hf_config(path: Path) -> dict:

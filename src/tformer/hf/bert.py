@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..models import Encoder
-from .keymap import ACT_TO_HF, Rule, hf_activation, layer_rules, mismatches, refuse_unless, settings, token_id
+from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
+                     settings, token_id)
 
 MODEL_TYPE = "bert"
 ARCHITECTURE = "BertModel"
@@ -62,7 +63,7 @@ def fits(cfg: ModelConfig) -> list[str]:
                                 bias=True, embed_scale=False, embedding_norm=True, position_offset=0,
                                 type_vocab_size=(lambda n: n >= 1, ">= 1: BERT always adds segment embeddings"),
                                 activation=list(ACT_TO_HF),
-                                n_kv_heads=[None, cfg.n_heads]))
+                                n_kv_heads=[None, cfg.n_heads], **STANDARD_ATTENTION))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

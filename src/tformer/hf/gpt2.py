@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..models import Decoder
-from .keymap import ACT_TO_HF, Rule, hf_activation, layer_rules, mismatches, refuse_unless, settings, token_id
+from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
+                     settings, token_id)
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -55,7 +56,7 @@ def fits(cfg: ModelConfig) -> list[str]:
     return mismatches(cfg, dict(kind="decoder", norm_position="pre", positional="learned", norm="layernorm",
                                 bias=True, embed_scale=False, embedding_norm=False, type_vocab_size=0,
                                 position_offset=0, lm_head_bias=False, activation=list(ACT_TO_HF),
-                                n_kv_heads=[None, cfg.n_heads]))
+                                n_kv_heads=[None, cfg.n_heads], **STANDARD_ATTENTION))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

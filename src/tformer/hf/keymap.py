@@ -60,7 +60,9 @@ def to_ours(rules: list[Rule], hf_state: dict[str, Tensor]) -> dict[str, Tensor]
 
 def fused_sizes(cfg: ModelConfig, rule: Rule) -> list[int]:
     """Dim-0 sizes of the HF parts of a fused tensor: [q; k; v] is uneven under grouped-query
-    attention (fewer K/V heads); [k; v] and [gate; up] are halves."""
+    attention (fewer K/V heads); [k; v] and [gate; up] are halves. An encoder-decoder's decoder
+    tensors take the decoder's own sizes."""
+    cfg = cfg.stack_config("decoder") if rule.ours.startswith("decoder.") else cfg
     if ".qkv_proj." in rule.ours:
         kv = cfg.kv_heads * cfg.head_dim
         return [cfg.n_heads * cfg.head_dim, kv, kv]
@@ -124,6 +126,11 @@ def refuse_unless(ok: bool, family: str, what: str) -> None:
     """Refuse a configuration tformer cannot reproduce exactly, naming it."""
     if not ok:
         raise ConfigError(f"{family} checkpoint uses {what}, which tformer cannot represent exactly")
+
+
+# What every family but T5 needs: heads of d_model / n_heads, scores scaled by 1/√d_k, a plain output layer.
+STANDARD_ATTENTION = dict(head_size=(lambda v: v is None, "None: heads of d_model / n_heads"), attention_scale=True,
+                          output_scale=False)
 
 
 def mismatches(cfg: ModelConfig, wanted: dict) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..models import Decoder
-from .keymap import Rule, layer_rules, mismatches, refuse_unless, settings, token_id
+from .keymap import STANDARD_ATTENTION, Rule, layer_rules, mismatches, refuse_unless, settings, token_id
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -63,7 +63,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def fits(cfg: ModelConfig) -> list[str]:
     return mismatches(cfg, dict(kind="decoder", norm_position="pre", positional="rope", norm="rmsnorm",
                                 activation="swiglu", bias=False, embed_scale=False, embedding_norm=False,
-                                type_vocab_size=0, lm_head_bias=False))
+                                type_vocab_size=0, lm_head_bias=False, **STANDARD_ATTENTION))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -9,7 +9,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import EncoderDecoder
-from .keymap import ACT_TO_HF, Rule, hf_activation, layer_rules, mismatches, refuse_unless, settings, token_id
+from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, settings,
+                     token_id)
 
 PREFIX = "model."
 EXPORT_PREFIX = PREFIX
@@ -71,14 +72,14 @@ def copies(cfg: ModelConfig) -> list[tuple[str, ...]]:
 
 def config_from_hf(hf: dict, defaults: dict, family: str, **fixed) -> ModelConfig:
     s = settings(hf, {**COMMON_DEFAULTS, **defaults})
-    refuse_unless(s["encoder_attention_heads"] == s["decoder_attention_heads"], family,
-                  f"different encoder/decoder head counts ({s['encoder_attention_heads']} vs "
-                  f"{s['decoder_attention_heads']})")
-    refuse_unless(s["encoder_ffn_dim"] == s["decoder_ffn_dim"], family,
-                  f"different encoder/decoder FFN widths ({s['encoder_ffn_dim']} vs {s['decoder_ffn_dim']})")
+
+    def decoder_own(key: str):           # the decoder's value, None when it equals the encoder's
+        return None if s[f"decoder_{key}"] == s[f"encoder_{key}"] else s[f"decoder_{key}"]
+
     return ModelConfig(
         kind="encoder-decoder", vocab_size=s["vocab_size"], d_model=s["d_model"],
         n_heads=s["encoder_attention_heads"], n_layers=s["encoder_layers"], n_decoder_layers=s["decoder_layers"],
+        n_decoder_heads=decoder_own("attention_heads"), d_decoder_ff=decoder_own("ffn_dim"),
         d_ff=s["encoder_ffn_dim"], max_seq_len=s["max_position_embeddings"], dropout=float(s["dropout"]),
         attn_dropout=float(s["attention_dropout"]), ffn_dropout=float(s["activation_dropout"]),
         norm_position="post", activation=hf_activation(s["activation_function"], "activation_function", family),
@@ -99,7 +100,9 @@ def fits(cfg: ModelConfig, **specific) -> list[str]:
     # transformers' Marian/BART layers use nn.LayerNorm's default eps, 1e-5.
     return mismatches(cfg, dict(kind="encoder-decoder", norm_position="post", norm="layernorm", bias=True,
                                 norm_eps=1e-5, type_vocab_size=0, activation=list(ACT_TO_HF),
-                                n_kv_heads=[None, cfg.n_heads], src_vocab_size=SHARED_VOCAB, **specific))
+                                n_kv_heads=(lambda v: v in (None, cfg.n_heads) and v in (None, cfg.n_decoder_heads),
+                                            "None: Marian/BART have no grouped-query attention"),
+                                src_vocab_size=SHARED_VOCAB, **STANDARD_ATTENTION, **specific))
 
 
 def decoder_start(cfg: ModelConfig) -> int | None:
@@ -111,11 +114,11 @@ def decoder_start(cfg: ModelConfig) -> int | None:
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
-    start = decoder_start(cfg)
+    start, decoder = decoder_start(cfg), cfg.stack_config("decoder")
     return dict(model_type=model_type, architectures=[architecture], is_encoder_decoder=True,
                 vocab_size=cfg.vocab_size, d_model=cfg.d_model, max_position_embeddings=cfg.max_seq_len,
                 encoder_layers=cfg.n_layers, decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.n_heads,
-                decoder_attention_heads=cfg.n_heads, encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=cfg.ffn_dim,
+                decoder_attention_heads=decoder.n_heads, encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=decoder.ffn_dim,
                 activation_function=ACT_TO_HF[cfg.activation], dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=cfg.ffn_dropout, scale_embedding=cfg.embed_scale, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
