@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 from torch import nn
 
+from .checkpoint import load_state, tied_aliases
 from .errors import CheckpointError
 
 
@@ -94,9 +96,16 @@ def grad_sync(model: nn.Module, dist: Dist, fsdp: bool, last: bool):
     return nullcontext() if last else model.no_sync()
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a shard (a DTensor; every process must call this), else `t` itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def gather_model(model: nn.Module, build: Callable[[], nn.Module], main: bool) -> nn.Module | None:
+    """A plain copy of the FSDP-sharded `model` (a fresh `build()` loaded with the gathered weights)
+    on the main process, None on the others. Every process must call this (each shard is gathered)."""
+    weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    if not main:
+        return None
+    plain = build()
+    aliases = tied_aliases(plain)
+    load_state(plain, {k: v.cpu() for k, v in weights.items() if k not in aliases}, "FSDP state")
+    return plain
 
 
 def shard_like(model: nn.Module, tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -110,4 +119,16 @@ def shard_like(model: nn.Module, tensors: dict[str, torch.Tensor], device: torch
         if isinstance(p, DTensor) and t.shape == p.shape:
             t = distribute_tensor(t.to(device), p.device_mesh, p.placements)
         out[key] = t
+    return out
+
+
+def full_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    """The whole of each sharded optimizer state tensor ("NAME/field"), on the CPU. Every process must
+    call this: each takes part in gathering each shard, in the same order."""
+    out = {}
+    state = opt.state_dict()["state"]
+    for idx in sorted(state):
+        for field, v in state[idx].items():
+            if hasattr(v, "full_tensor"):
+                out[f"{names[idx]}/{field}"] = v.full_tensor().cpu()
     return out

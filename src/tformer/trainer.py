@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import load_state, read_safetensors, tied_aliases
-from .distributed import Dist, full, grad_sync, shard_like, wrap
+from .checkpoint import WEIGHTS, load_state, read_safetensors
+from .data import micro_batches
+from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError
 from .guard import NonFiniteError, NumericGuard, stopped
 from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tensors, progress_of
 from .rundir import RunDir, read_trainer_state
@@ -52,18 +53,6 @@ class FitResult:
     elapsed: float
     tokens: int
     records: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
-
-
-def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -> list[dict[str, Tensor]]:
-    """Rows of the global batch for this process, cut into `accum` micro-batches:
-    rows [rank*B/world, (rank+1)*B/world) of every tensor, then `accum` equal slices of those."""
-    size = next(iter(batch.values())).size(0)
-    if size % (world * accum):
-        raise ConfigError(f"the batch of {size} rows does not split into {world} process(es) x {accum} "
-                          "micro-batch(es); change --batch-size or --grad-accum")
-    per_rank, per_micro = size // world, size // (world * accum)
-    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
-    return [{k: v[i * per_micro:(i + 1) * per_micro] for k, v in mine.items()} for i in range(accum)]
 
 
 def autocast(device: torch.device, precision: str):
@@ -112,7 +101,7 @@ class Trainer:
         opt_saved, ema_saved = None, None
         if resume:
             ckpt, saved = read_trainer_state(resume)
-            load_state(self.plain, read_safetensors(ckpt / "model.safetensors"), str(ckpt))
+            load_state(self.plain, read_safetensors(ckpt / WEIGHTS), str(ckpt))
             opt_saved = (read_safetensors(ckpt / OPTIMIZER), saved["optimizer_groups"], str(ckpt / OPTIMIZER))
             self.state = TrainState(**{k: saved.get(k, v) for k, v in asdict(self.state).items()})
             # best/ on disk is what later evaluations must beat (it may come from after this checkpoint)
@@ -143,23 +132,13 @@ class Trainer:
         this: it gathers the shards into a plain copy, as the sharded module holds DTensors."""
         if not self.cfg.fsdp:
             return self.plain if self.dist.main else None
-        weights = {k: full(v) for k, v in self.model.state_dict().items()}
-        if not self.dist.main:
-            return None
-        model = self.task.build_model()
-        aliases = tied_aliases(model)
-        load_state(model, {k: v.cpu() for k, v in weights.items() if k not in aliases}, "FSDP state")
-        return model
+        return gather_model(self.model, self.task.build_model, self.dist.main)
 
     def _save(self) -> Path:
         cfg, state = self.cfg, self.state
         tensors, groups = optimizer_tensors(self.opt, self.names)
-        if cfg.fsdp:  # every process must take part in gathering each shard, in the same order
-            opt_state = self.opt.state_dict()["state"]
-            for idx in sorted(opt_state):
-                for name, v in opt_state[idx].items():
-                    if hasattr(v, "full_tensor"):
-                        tensors[f"{self.names[idx]}/{name}"] = v.full_tensor().cpu()
+        if cfg.fsdp:
+            tensors |= full_optimizer_tensors(self.opt, self.names)
         model = self._model_to_save()
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():

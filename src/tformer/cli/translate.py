@@ -25,7 +25,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.cli.classify import load_task_model, read_inputs
+    from tformer.cli.inputs import load_task_model, read_inputs
     from tformer.errors import ConfigError
     from tformer.models import EncoderDecoder
     from tformer.tasks.common import warn
