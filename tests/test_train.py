@@ -265,3 +265,22 @@ def test_generate_is_reproducible(data, tmp_path):
     assert first.returncode == 0, first.stderr
     second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert first.stdout == second.stdout and first.stdout.startswith("To be")
+
+
+def test_each_option_is_defined_once_and_its_flag_derived():
+    """The flags of `tformer train` are the option fields; the --resume rules are read from them."""
+    from dataclasses import fields
+
+    from tformer.options import CHANGE, ONCE, resume_rule
+    from tformer.tasks.classify import ClassifyOptions
+    from tformer.train import TrainOptions
+
+    assert resume_rule(TrainOptions, ONCE) == {"stop_at", "progress", "device"}
+    assert resume_rule(TrainOptions, CHANGE) == {"max_steps", "time_budget", "save_every", "eval_every",
+                                                 "log_every", "keep", "skip_nonfinite"}
+    args = vars(build_parser().parse_args(["train", "--out", "x"]))
+    defaults = TrainConfig(out="x")
+    for f in fields(TrainConfig):
+        if f.metadata and f.metadata["flag_default"] is not None:  # None: the task decides (--ema, --keep-best)
+            assert args[f.name] == getattr(defaults, f.name), f.name
+    assert {f.name for f in fields(ClassifyOptions)} - {"beta1", "beta2"} <= set(args)
