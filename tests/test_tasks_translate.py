@@ -2,7 +2,6 @@
 `tformer train --task translate`; `translate` / `eval` use the run; the built-in numbers data is a
 pure function of (seed, step) and never shows a held-out number; bad input gives one-line errors."""
 
-import argparse
 import json
 
 import pytest
@@ -61,11 +60,11 @@ def test_tsv_without_tab_is_an_error(tmp_path, capsys):
 
 
 def test_numbers_batches_are_pure_and_avoid_heldout():
-    from tformer.tasks.translate import TranslateTask
+    from tformer.tasks.translate import TranslateOptions, TranslateTask
 
-    args = argparse.Namespace(data="numbers-fr-en", preset="tiny", vocab_size=400, batch_size=16, seed=0,
-                              val_fraction=0.1, heldout_numbers=200, dropout=None)
-    task = TranslateTask(args)
+    opts = TranslateOptions(out="unused", data="numbers-fr-en", preset="tiny", vocab_size=400, batch_size=16, seed=0,
+                            val_fraction=0.1, heldout_numbers=200, dropout=None)
+    task = TranslateTask(opts)
     held_fr = set(task.val[0])
     assert len(held_fr) == 200
     assert [corpora.number_pair(n)[0] for n in corpora.numbers_heldout(200, 0)] == task.val[0]

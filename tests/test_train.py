@@ -14,7 +14,9 @@ import torch
 
 import tformer
 from tformer.cli import build_parser, main
-from tformer.train import TrainConfig, fit, lr_at, param_groups, progress_of
+from tformer.optim import lr_at, param_groups, progress_of
+from tformer.train import TrainConfig
+from tformer.trainer import fit
 
 TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
         "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n") * 30
@@ -30,7 +32,7 @@ def data(tmp_path_factory) -> str:
     return str(path)
 
 
-def train(argv: list[str]) -> dict:
+def train(argv: list[str]):
     """`tformer train ARGV` in this process, through the CLI's own argument handling."""
     from tformer.cli.train import prepare
 
@@ -66,7 +68,7 @@ def test_no_weight_decay_on_norms_biases_embeddings():
 def test_grad_accumulation_equals_full_batch(data, tmp_path):
     a = train(["--data", data, *SMALL, "--max-steps", "3", "--out", str(tmp_path / "a")])
     b = train(["--data", data, *SMALL, "--max-steps", "3", "--grad-accum", "4", "--out", str(tmp_path / "b")])
-    wa, wb = weights(a["run_dir"]), weights(b["run_dir"])
+    wa, wb = weights(a.run_dir), weights(b.run_dir)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
@@ -76,14 +78,14 @@ def test_resume_reaches_identical_weights(data, tmp_path):
     flags = ["--data", data, *SMALL, "--max-steps", "6", "--dropout", "0.1", "--precision", "bf16"]
     straight = train([*flags, "--out", str(tmp_path / "straight")])
     half = train([*flags, "--out", str(tmp_path / "split"), "--stop-at", "3"])
-    assert half["reason"] == "stop_at" and half["step"] == 3
+    assert half.reason == "stop_at" and half.step == 3
     resumed = train(["--resume", str(tmp_path / "split")])
-    assert resumed["step"] == 6 and resumed["reason"] == "max_steps"
-    ws, wr = weights(straight["run_dir"]), weights(resumed["run_dir"])
+    assert resumed.step == 6 and resumed.reason == "max_steps"
+    ws, wr = weights(straight.run_dir), weights(resumed.run_dir)
     assert all(torch.equal(ws[k], wr[k]) for k in ws)
     steps = [json.loads(line)["step"] for line in open(tmp_path / "split" / "metrics.jsonl")]
     assert steps == sorted(steps) and steps[-1] == 6
-    state = json.loads((Path(resumed["checkpoint"]) / "trainer_state.json").read_text())
+    state = json.loads((Path(resumed.checkpoint) / "trainer_state.json").read_text())
     assert state["step"] == 6 and "--stop-at" not in state["command"] and state["args"]["max_steps"] == 6
 
 
@@ -92,19 +94,19 @@ def test_checkpoints_are_complete_and_pruned(data, tmp_path):
                  "--eval-every", "2", "--out", str(tmp_path / "r")])
     ckpts = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert ckpts == ["step-0000004", "step-0000005"]
-    names = set(os.listdir(run["checkpoint"]))
+    names = set(os.listdir(run.checkpoint))
     assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.safetensors",
             "trainer_state.json", "rng.safetensors"} <= names
     records = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     vals = [r["val_loss"] for r in records if "val_loss" in r]
-    assert len(vals) == 3 and run["best_val_loss"] == min(vals)      # steps 2, 4 and the final 5
+    assert len(vals) == 3 and run.best_val_loss == min(vals)      # steps 2, 4 and the final 5
     assert {"step", "train_loss", "lr", "tokens_per_s", "elapsed"} <= set(records[-1])
 
 
 def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tmp_path):
     """--keep-best: RUN/best/ holds the model of the evaluation with the lowest val_loss (the first
     of ties); load(RUN) takes it, while --resume continues from the newest step checkpoint."""
-    from tformer.runs import read_trainer_state
+    from tformer.rundir import read_trainer_state
 
     run = tmp_path / "r"
     flags = ["--data", data, *SMALL, "--max-steps", "8", "--lr", "3e-2", "--eval-every", "1", "--keep-best"]
@@ -113,18 +115,18 @@ def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tm
     vals = [(r["val_loss"], r["step"]) for r in records if "val_loss" in r]
     best = json.loads((run / "best" / "config.json").read_text())["meta"]["best"]
     assert best["metric"] == "val_loss" and (best["value"], best["step"]) == min(vals)
-    assert result["best"] == best
+    assert result.best == best
     assert all(torch.equal(a, b) for a, b in zip(weights(str(run)).values(), weights(str(run / "best")).values()))
     ckpt, state = read_trainer_state(run)
     assert ckpt.name == "step-0000005" and state["step"] == 5
     resumed = train(["--resume", str(run)])
-    assert resumed["step"] == 8
+    assert resumed.step == 8
     vals = [(r["val_loss"], r["step"]) for r in map(json.loads, open(run / "metrics.jsonl")) if "val_loss" in r]
     assert [s for _, s in vals] == list(range(1, 9))
-    assert (resumed["best"]["value"], resumed["best"]["step"]) == min(vals)
-    assert json.loads((run / "best" / "config.json").read_text())["meta"]["best"] == resumed["best"]
+    assert (resumed.best["value"], resumed.best["step"]) == min(vals)
+    assert json.loads((run / "best" / "config.json").read_text())["meta"]["best"] == resumed.best
     plain = train(["--data", data, *SMALL, "--max-steps", "2", "--out", str(tmp_path / "plain")])
-    assert plain["best"] is None and not (tmp_path / "plain" / "best").exists()  # off by default for lm
+    assert plain.best is None and not (tmp_path / "plain" / "best").exists()  # off by default for lm
 
 
 def test_ema_is_the_running_average_and_best_keeps_it(data, tmp_path):
@@ -179,7 +181,7 @@ def test_sigkill_never_leaves_an_unreadable_latest_checkpoint(data, tmp_path):
     assert isinstance(model, tformer.Decoder)
     resumed = train(["--resume", str(run), "--max-steps", str(json.loads(
         (tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())["step"] + 1)])
-    assert resumed["reason"] == "max_steps"
+    assert resumed.reason == "max_steps"
 
 
 def test_ctrl_c_saves_and_exits_cleanly(data, tmp_path):
@@ -203,7 +205,7 @@ def test_torchrun_two_processes_match_one(sharding, data, tmp_path):
            "-m", "tformer", "train", *flags, *sharding, "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    w1, w2 = weights(one["run_dir"]), weights(str(tmp_path / "two"))
+    w1, w2 = weights(one.run_dir), weights(str(tmp_path / "two"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-5)
     state = json.loads((tformer.checkpoint.resolve(tmp_path / "two") / "trainer_state.json").read_text())
@@ -254,7 +256,7 @@ class _no_raise:
 
 
 def test_generate_is_reproducible(data, tmp_path):
-    run = train(["--data", data, *SMALL, "--max-steps", "2", "--out", str(tmp_path / "g")])["run_dir"]
+    run = train(["--data", data, *SMALL, "--max-steps", "2", "--out", str(tmp_path / "g")]).run_dir
     cmd = [sys.executable, "-m", "tformer", "generate", "--model", run, "--prompt", "To be",
            "--max-new-tokens", "20", "--seed", "1"]
     first = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
@@ -263,3 +265,22 @@ def test_generate_is_reproducible(data, tmp_path):
     assert first.returncode == 0, first.stderr
     second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert first.stdout == second.stdout and first.stdout.startswith("To be")
+
+
+def test_each_option_is_defined_once_and_its_flag_derived():
+    """The flags of `tformer train` are the option fields; the --resume rules are read from them."""
+    from dataclasses import fields
+
+    from tformer.options import CHANGE, ONCE, resume_rule
+    from tformer.tasks.classify import ClassifyOptions
+    from tformer.train import TrainOptions
+
+    assert resume_rule(TrainOptions, ONCE) == {"stop_at", "progress", "device"}
+    assert resume_rule(TrainOptions, CHANGE) == {"max_steps", "time_budget", "save_every", "eval_every",
+                                                 "log_every", "keep", "skip_nonfinite"}
+    args = vars(build_parser().parse_args(["train", "--out", "x"]))
+    defaults = TrainConfig(out="x")
+    for f in fields(TrainConfig):
+        if f.metadata and f.metadata["flag_default"] is not None:  # None: the task decides (--ema, --keep-best)
+            assert args[f.name] == getattr(defaults, f.name), f.name
+    assert {f.name for f in fields(ClassifyOptions)} - {"beta1", "beta2"} <= set(args)

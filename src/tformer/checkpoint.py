@@ -3,9 +3,8 @@
 translator with separate source and target vocabularies). Loading never executes code.
 
 Writes are atomic: everything goes into a hidden temporary directory next to the target, which
-is renamed into place only when complete. A run directory (see train.py) holds checkpoints under
-`checkpoints/step-NNNNNNN/` and, with --keep-best, the best-scoring model under `best/`;
-`load(run_dir)` takes `best/` when there is one, else the newest complete step checkpoint.
+is renamed into place only when complete. This module knows one checkpoint; where the checkpoints
+of a training run are (`load(run_dir)`), tformer.runs says.
 """
 
 from __future__ import annotations
@@ -24,14 +23,13 @@ from torch import nn
 from .config import ModelConfig
 from .errors import CheckpointError, TformerError
 from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
+from .runs import CONFIG, resolve
 
 FORMAT = "tformer"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
-BEST = "best"  # RUN/best/: the best-scoring model of a run (see resolve)
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Encoder": Encoder, "EncoderClassifier": EncoderClassifier, "Decoder": Decoder, "EncoderDecoder": EncoderDecoder,
 }
@@ -58,7 +56,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
+def tied_aliases(model: nn.Module) -> dict[str, str]:
     """alias name -> canonical name, for parameters that are the same tensor."""
     first: dict[tuple[int, int], str] = {}
     aliases = {}
@@ -128,32 +126,6 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def resolve(path: str | os.PathLike, best: bool = True) -> Path:
-    """A checkpoint directory itself; inside a run directory, `best/` (the model with the best
-    validation score, written by `tformer train --keep-best`) when `best` is true and it exists,
-    else the newest complete `checkpoints/step-*` (the one training resumes from)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (pass a checkpoint or run directory)")
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory (pass a checkpoint or run directory)")
-    if (path / CONFIG).exists():
-        return path
-    if best and (path / BEST / CONFIG).exists():
-        return path / BEST
-    ckpts = [p for p in (path / "checkpoints").glob("step-*") if (p / CONFIG).exists()] \
-        if (path / "checkpoints").is_dir() else []
-    if ckpts:
-        return max(ckpts, key=_step_number)
-    raise CheckpointError(f"{path} is not a tformer checkpoint: no {CONFIG} and no checkpoints/step-* inside")
-
-
-def _step_number(path: Path) -> tuple[int, str]:
-    """Sort key of `step-N` directories: by N as a number (step-9 before step-10), then by name."""
-    digits = path.name.removeprefix("step-")
-    return (int(digits) if digits.isdigit() else -1, path.name)
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -226,7 +198,7 @@ def key_mismatch(missing: list[str], unexpected: list[str], noun: str = "") -> s
 
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict loading: every expected tensor present with the right shape, nothing unexpected."""
-    aliases = _aliases(model)
+    aliases = tied_aliases(model)
     expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

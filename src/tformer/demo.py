@@ -38,38 +38,42 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
 
     from tformer.errors import TformerError
-    from tformer.tasks.lm import LMTask, sample_text
-    from tformer.train import TrainConfig, fit
+    from tformer.options import pick
+    from tformer.tasks.lm import LMOptions, LMTask, sample_text
+    from tformer.train import TrainConfig
+    from tformer.trainer import fit
 
     t0 = time.perf_counter()
     out = opts.out or os.path.join("runs", f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    args = argparse.Namespace(**RECIPE, out=out)
+    values = {**RECIPE, **TRAIN, "time_budget": opts.time_budget, "out": out}
+    args = pick(LMOptions, values)
     try:
         task = LMTask(args)
-        cfg = TrainConfig(out=out, seed=args.seed, batch_size=args.batch_size, **{**TRAIN, "time_budget": opts.time_budget})
+        cfg = pick(TrainConfig, values)
         print(f"tformer demo: a {task.cfg.n_layers}-layer, width-{task.cfg.d_model} GPT learns Hamlet character "
               f"by character ({len(task.train_ids):,} training / {len(task.val_ids):,} validation characters, "
               f"vocabulary {task.tokenizer.vocab_size}) for {opts.time_budget:.0f} s.", flush=True)
         result = fit(task, cfg, command=[sys.executable, "-m", "tformer.demo", *(argv or sys.argv[1:])],
-                     args={k: v for k, v in vars(args).items()})
+                     args={**RECIPE, "out": out})
     except TformerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if result["reason"] == "interrupted":
+    if result.reason == "interrupted":
         return 130
 
     from tformer.checkpoint import load
+    from tformer.runs import METRICS, PLOT
 
-    model = load(result["best_checkpoint"] or result["checkpoint"])   # best/: the averaged weights
-    print(f"\ntrained {result['step']} steps in {result['elapsed']:.0f} s; "
-          f"best validation loss {result['best_val_loss']:.4f} nats/char "
+    model = load(result.best_checkpoint or result.checkpoint)   # best/: the averaged weights
+    print(f"\ntrained {result.step} steps in {result.elapsed:.0f} s; "
+          f"best validation loss {result.best_val_loss:.4f} nats/char "
           f"(mean cross-entropy over the whole validation text)\n")
     for what, settings in SAMPLES:
         text = sample_text(model, task.tokenizer, args.prompt, max_new_tokens=200, seed=1, **settings)
         print(f"--- sample ({what}) ---\n{text}\n")
-    run = result["run_dir"]
-    print(f"checkpoint:  {result['best_checkpoint'] or result['checkpoint']}")
-    print(f"loss curve:  {os.path.join(run, 'loss.png')}   metrics: {os.path.join(run, 'metrics.jsonl')}")
+    run = result.run_dir
+    print(f"checkpoint:  {result.best_checkpoint or result.checkpoint}")
+    print(f"loss curve:  {os.path.join(run, PLOT)}   metrics: {os.path.join(run, METRICS)}")
     print(f"write more:  tformer generate --model {run} --prompt \"HAMLET\" --max-new-tokens 200 --seed 1")
     print(f"demo finished in {time.perf_counter() - t0:.0f} s")
     return 0

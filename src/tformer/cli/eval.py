@@ -74,7 +74,7 @@ def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
 
     from tformer.data import read_text, split_text
     from tformer.errors import ConfigError
-    from tformer.tasks.lm import LMTask
+    from tformer.tasks.lm import mean_loss
 
     if args.data is not None:
         text = read_text(args.data)
@@ -82,12 +82,11 @@ def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
         if "data" not in meta:
             raise ConfigError(f"{args.model} does not record its training data; pass --data")
         text = split_text(read_text(meta["data"]), meta.get("val_fraction", 0.1))[1]
-    task = LMTask.__new__(LMTask)  # only its evaluate(): the same windows as validation during training
-    task.context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
-    task.val_ids = torch.tensor(_limit(tokenizer.encode(text), args.limit), dtype=torch.long)
-    if len(task.val_ids) < 2:
+    context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    ids = torch.tensor(_limit(tokenizer.encode(text), args.limit), dtype=torch.long)
+    if len(ids) < 2:
         raise ConfigError("the text to score has fewer than 2 tokens")
-    loss = task.evaluate(model)["val_loss"]
+    loss = mean_loss(model, ids, context)  # the same windows as validation during training
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 

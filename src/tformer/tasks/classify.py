@@ -9,6 +9,7 @@ to rebuild it, so `tformer eval --model RUN` scores exactly the texts the run ne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderClassifier
+from ..options import below_one, option, positive_int
 from ..tokenizers import make_tokenizer
+from ..train import TrainOptions
 from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
                      model_config, pad, warn)
 
@@ -104,6 +107,26 @@ def format_confusion(matrix: list[list[int]], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class ClassifyOptions(TrainOptions):
+    title = "classification (--task classify)"
+    text_column: str = option("text", "column (CSV/TSV) or field (JSONL) with the text (default: text)")
+    label_column: str = option("label", "column or field with the label (default: label)")
+    pooling: str | None = option(
+        None, "sentence vector for the head: the first token's (BERT; the default) or the mean of all tokens' (the "
+        "default with --init of a sentence-transformers model, which was trained with mean pooling, so its first "
+        "token carries no sentence meaning)", choices=("first", "mean"))
+    token_dropout: float | None = option(
+        None, "training augmentation: delete each token of a training text with this probability (default: 0.1 "
+        "from scratch, 0 with --init); small data sets overfit less", type=below_one)
+    max_len: int | None = option(
+        None, f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})",
+        type=positive_int)
+    freeze_embeddings: bool | None = option(
+        None, "with --init: keep the pretrained embedding layer (token, position and segment tables, norm) fixed, "
+        "so words seen in training do not drift away from words only met at test time", action="store_true")
+
+
 class ClassifyTask:
     name = "classify"
     default_data = "rotten-tomatoes"
@@ -113,35 +136,15 @@ class ClassifyTask:
     best_metric = ("val_accuracy", "max")
     default_tokenizer = "wordpiece"  # uncased words: 11k sentences are too few to learn "Great" = "great"
     default_vocab_size = DEFAULT_VOCAB
+    Options = ClassifyOptions
 
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        from ..cli.args import below_one, positive_int
-
-        g = parser.add_argument_group("classification (--task classify)")
-        g.add_argument("--text-column", default="text", help="column (CSV/TSV) or field (JSONL) with the text "
-                       "(default: text)")
-        g.add_argument("--label-column", default="label", help="column or field with the label (default: label)")
-        g.add_argument("--pooling", choices=("first", "mean"), default=None,
-                       help="sentence vector for the head: the first token's (BERT; the default) or the mean of all "
-                            "tokens' (the default with --init of a sentence-transformers model, which was trained "
-                            "with mean pooling, so its first token carries no sentence meaning)")
-        g.add_argument("--token-dropout", type=below_one, default=None,
-                       help="training augmentation: delete each token of a training text with this probability "
-                            "(default: 0.1 from scratch, 0 with --init); small data sets overfit less")
-        g.add_argument("--max-len", type=positive_int, default=None,
-                       help=f"tokens per text incl. [bos]/[eos]; longer texts are cut (default: {DEFAULT_MAX_LEN})")
-        g.add_argument("--freeze-embeddings", action="store_true", default=None,
-                       help="with --init: keep the pretrained embedding layer (token, position and segment tables, "
-                            "norm) fixed, so words seen in training do not drift away from words only met at test time")
-
-    def __init__(self, args, tokenizer=None, init: str | None = None):
-        self.args = args
-        self.seed = arg(args, "seed", 0)
-        self.val_fraction = arg(args, "val_fraction", 0.1)
-        self.data_name = arg(args, "data", "rotten-tomatoes")
-        self.columns = (arg(args, "text_column", "text"), arg(args, "label_column", "label"))
-        data = load_data(self.data_name, *self.columns, errors=arg(args, "errors", "strict"))
+    def __init__(self, opts: ClassifyOptions, tokenizer=None, init: str | None = None):
+        self.opts = opts
+        self.seed = opts.seed
+        self.val_fraction = opts.val_fraction
+        self.data_name = arg(opts, "data", "rotten-tomatoes")
+        self.columns = (opts.text_column, opts.label_column)
+        data = load_data(self.data_name, *self.columns, errors=opts.errors)
         self.label_names = sorted(set(data.labels))
         if len(self.label_names) < 2:
             raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); classification needs two or more")
@@ -151,23 +154,23 @@ class ClassifyTask:
         if unseen:
             raise DataError(f"label(s) {', '.join(map(repr, unseen))} occur only in the held-out split, never in "
                             "training (add more examples of them, or lower --val-fraction)")
-        self.init = init if init is not None else arg(args, "init")  # on --resume the CLI passes init=None
-        self.token_dropout = arg(args, "token_dropout", 0.0 if self.init is not None else 0.1)
+        self.init = init if init is not None else arg(opts, "init")  # on --resume the CLI passes init=None
+        self.token_dropout = arg(opts, "token_dropout", 0.0 if self.init is not None else 0.1)
         if not 0.0 <= self.token_dropout < 1.0:
             raise ConfigError(f"--token-dropout {self.token_dropout} must be in [0, 1)")
-        self.freeze_embeddings = bool(arg(args, "freeze_embeddings", False))
-        self.pooling = arg(args, "pooling", "mean" if self.init is not None and _mean_pooled(self.init) else "first")
+        self.freeze_embeddings = bool(arg(opts, "freeze_embeddings", False))
+        self.pooling = arg(opts, "pooling", "mean" if self.init is not None and _mean_pooled(self.init) else "first")
         self.pretrained = None
         if init is not None and tokenizer is None:
             self.pretrained, tokenizer = load_pretrained_encoder(init)
         if tokenizer is None:
-            tokenizer = make_tokenizer(arg(args, "tokenizer", "wordpiece"), [data.texts[i] for i in train_idx],
-                                       arg(args, "vocab_size", DEFAULT_VOCAB))
+            tokenizer = make_tokenizer(arg(opts, "tokenizer", "wordpiece"), [data.texts[i] for i in train_idx],
+                                       arg(opts, "vocab_size", DEFAULT_VOCAB))
         self.tokenizer = tokenizer
         if tokenizer.pad_id is None:
             raise DataError("the tokenizer has no padding token (<pad> or [PAD]); classification pads batches")
         limit = self.pretrained.cfg.max_seq_len if self.pretrained is not None else None
-        self.max_len = min(arg(args, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
+        self.max_len = min(arg(opts, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
         seqs, cut = encode_texts(tokenizer, data.texts, self.max_len)
         if cut:
             warn(f"{cut} of {len(seqs)} texts are longer than --max-len {self.max_len} tokens and were truncated")
@@ -184,18 +187,18 @@ class ClassifyTask:
             if encoder is None:  # resuming: the tokenizer came from the run, the weights from --init
                 encoder, _ = load_pretrained_encoder(self.init)
             cfg = encoder.cfg
-            cfg = cfg.replace(**dropout_overrides(self.args))
+            cfg = cfg.replace(**dropout_overrides(self.opts))
             model = EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
             model.encoder.load_state_dict(encoder.state_dict())
             model.encoder.embed.requires_grad_(not self.freeze_embeddings)  # frozen: the optimizer skips them
             return model
-        cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
+        cfg = model_config(self.opts, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
                            pad_token_id=self.tokenizer.pad_id)
         return EncoderClassifier(cfg, len(self.label_names), self.label_names, self.pooling)
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
         g = step_generator(self.seed, step)
-        rows = length_grouped_rows(self.by_length, arg(self.args, "batch_size", 32), g)
+        rows = length_grouped_rows(self.by_length, self.opts.batch_size, g)
         seqs = [self.train_seqs[i] for i in rows]
         if self.token_dropout:
             seqs = [drop_tokens(seq, self.token_dropout, g) for seq in seqs]

@@ -13,9 +13,9 @@ from ..config import PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError
 
 
-def arg(args, name: str, default: Any = None) -> Any:
-    """args.name, or `default` when the flag is absent or was left unset (None)."""
-    value = getattr(args, name, None)
+def arg(opts, name: str, default: Any = None) -> Any:
+    """opts.name, or `default` when that option was left unset (None: the task decides)."""
+    value = getattr(opts, name)
     return default if value is None else value
 
 
@@ -46,30 +46,30 @@ def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def model_config(args, kind: str, vocab_size: int, max_len: int, default: dict[str, Any], **fixed: Any) -> ModelConfig:
+def model_config(opts, kind: str, vocab_size: int, max_len: int, default: dict[str, Any], **fixed: Any) -> ModelConfig:
     """The preset named by --preset, or else the task's own default shape (`default`: sized for minutes
     of CPU training), with the vocabulary, kind and length of the task, and the dropout flags when given."""
-    name = getattr(args, "preset", None)
+    name = opts.preset
     if name is not None and name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = PRESETS[name] if name is not None else default
     settings = {**fixed, **base, "kind": kind, "vocab_size": vocab_size,
                 "max_seq_len": max(max_len, base.get("max_seq_len", 0))}
-    return ModelConfig(**{**settings, **dropout_overrides(args)})
+    return ModelConfig(**{**settings, **dropout_overrides(opts)})
 
 
-def dropout_overrides(args) -> dict[str, float]:
+def dropout_overrides(opts) -> dict[str, float]:
     """--dropout and --attn-dropout, where given, as ModelConfig fields."""
-    return {name: getattr(args, name) for name in ("dropout", "attn_dropout") if getattr(args, name, None) is not None}
+    return {name: getattr(opts, name) for name in ("dropout", "attn_dropout") if getattr(opts, name) is not None}
 
 
 def is_tformer_checkpoint(path: Path) -> bool:
     import json
 
-    from ..checkpoint import resolve
+    from ..runs import CONFIG, resolve
 
     try:
-        config = json.loads((resolve(path) / "config.json").read_text())
+        config = json.loads((resolve(path) / CONFIG).read_text())
     except (CheckpointError, OSError, ValueError):
         return False
     return config.get("format") == "tformer"

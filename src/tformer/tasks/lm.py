@@ -8,6 +8,7 @@ non-overlapping windows of the context length (every validation token predicted 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,36 +18,40 @@ from torch import Tensor, nn
 from ..config import PRESETS, preset
 from ..data import lm_batch, lm_windows, read_text, split_text
 from ..errors import ConfigError, DataError
+from ..options import option
 from ..tokenizers import Tokenizer, make_tokenizer
+from ..train import TrainOptions
 from .common import dropout_overrides
 
 SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
 
+@dataclass
+class LMOptions(TrainOptions):
+    title = "language modelling (--task lm)"
+    prompt: str | None = option(None, "text the progress samples start from (default: the start of the "
+                                "validation text)")
+
+
 class LMTask:
     name = "lm"
+    Options = LMOptions
     default_vocab_size = 2000
 
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        g = parser.add_argument_group("language modelling (--task lm)")
-        g.add_argument("--prompt", default=None,
-                       help="text the progress samples start from (default: the start of the validation text)")
-
-    def __init__(self, args, tokenizer: Tokenizer | None = None, init: str | None = None):
-        self.args = args
-        self.seed, self.batch_size = args.seed, args.batch_size
+    def __init__(self, opts: LMOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
+        self.opts = opts
+        self.seed, self.batch_size = opts.seed, opts.batch_size
         self.init = init
-        text = read_text(args.data, errors=getattr(args, "errors", "strict"))
-        self.train_text, self.val_text = split_text(text, args.val_fraction)
+        text = read_text(opts.data, errors=opts.errors)
+        self.train_text, self.val_text = split_text(text, opts.val_fraction)
         if tokenizer is None and init is not None:
             from ..tokenizers import load_tokenizer
             tokenizer = load_tokenizer(init)
         if tokenizer is None:
-            tokenizer = make_tokenizer(args.tokenizer, [self.train_text], args.vocab_size)
+            tokenizer = make_tokenizer(opts.tokenizer, [self.train_text], opts.vocab_size)
         self.tokenizer = tokenizer
         self.cfg = self._config()
-        self.context = args.context or self.cfg.max_seq_len
+        self.context = opts.context or self.cfg.max_seq_len
         if self.context > self.cfg.max_seq_len:
             raise ConfigError(f"--context {self.context} is longer than the model's max_seq_len "
                               f"{self.cfg.max_seq_len} (use --context {self.cfg.max_seq_len} or less)")
@@ -54,9 +59,9 @@ class LMTask:
         self.val_ids = torch.tensor(tokenizer.encode(self.val_text), dtype=torch.long)
         for split, ids in (("training", self.train_ids), ("validation", self.val_ids)):
             if len(ids) < self.context + 2:
-                raise DataError(f"{args.data}: the {split} split has {len(ids)} tokens, fewer than one window of "
+                raise DataError(f"{opts.data}: the {split} split has {len(ids)} tokens, fewer than one window of "
                                 f"--context {self.context} (use more text or a smaller --context)")
-        self.prompt = args.prompt if args.prompt else self.val_text[:16]
+        self.prompt = opts.prompt if opts.prompt else self.val_text[:16]
 
     def _config(self):
         if self.init is not None:
@@ -67,18 +72,18 @@ class LMTask:
             if data["architecture"] != "Decoder":
                 raise ConfigError(f"--init {self.init} is a {data['architecture']}, not a Decoder")
             return ModelConfig.from_dict(data["config"])
-        if self.args.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {self.args.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.opts.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.opts.preset!r}; choose one of {', '.join(PRESETS)}")
         overrides: dict[str, Any] = {"kind": "decoder", "vocab_size": self.tokenizer.vocab_size,
                                      "pad_token_id": self.tokenizer.pad_id, "bos_token_id": self.tokenizer.bos_id,
                                      "eos_token_id": self.tokenizer.eos_id}
-        if PRESETS[self.args.preset].get("kind", "decoder") != "decoder":
-            raise ConfigError(f"preset {self.args.preset!r} is not a decoder; language modelling needs one "
+        if PRESETS[self.opts.preset].get("kind", "decoder") != "decoder":
+            raise ConfigError(f"preset {self.opts.preset!r} is not a decoder; language modelling needs one "
                               f"(e.g. small, tiny, gpt2-small)")
-        overrides.update(dropout_overrides(self.args))
-        if self.args.context and self.args.context > PRESETS[self.args.preset]["max_seq_len"]:
-            overrides["max_seq_len"] = self.args.context  # learned positions: the table grows with the context
-        return preset(self.args.preset, **overrides)
+        overrides.update(dropout_overrides(self.opts))
+        if self.opts.context and self.opts.context > PRESETS[self.opts.preset]["max_seq_len"]:
+            overrides["max_seq_len"] = self.opts.context  # learned positions: the table grows with the context
+        return preset(self.opts.preset, **overrides)
 
     # --- the protocol ------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -103,29 +108,34 @@ class LMTask:
     def tokens(self, batch: dict[str, Tensor]) -> int:
         return batch["input_ids"].numel()
 
-    def evaluate(self, model: nn.Module, batch_windows: int = 64) -> dict[str, float]:
-        """Mean cross-entropy (nats per token) over every validation token, in fp32."""
-        device = next(model.parameters()).device
-        windows = lm_windows(self.val_ids, self.context)
-        total, count = 0.0, 0
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            full = [w for w in windows if len(w[0]) == self.context]
-            rest = [w for w in windows if len(w[0]) != self.context]
-            groups = [full[i:i + batch_windows] for i in range(0, len(full), batch_windows)] + [[w] for w in rest]
-            for group in groups:
-                x = torch.stack([w[0] for w in group]).to(device)                # (b, T)
-                y = torch.stack([w[1] for w in group]).to(device)
-                logits = model(x).float()
-                total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-                count += y.numel()
-        return {"val_loss": total / count}
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {"val_loss": mean_loss(model, self.val_ids, self.context)}
 
     def sample(self, model: nn.Module) -> str:
         return sample_text(model, self.tokenizer, self.prompt, seed=self.seed, **SAMPLE)
 
     def meta(self) -> dict[str, Any]:
-        return {"data": str(self.args.data), "tokenizer": self.tokenizer.kind, "context": self.context,
-                "val_fraction": self.args.val_fraction}
+        return {"data": str(self.opts.data), "tokenizer": self.tokenizer.kind, "context": self.context,
+                "val_fraction": self.opts.val_fraction}
+
+
+def mean_loss(model: nn.Module, ids: Tensor, context: int, batch_windows: int = 64) -> float:
+    """Mean cross-entropy (nats per token) of `model` over every token of `ids` (cut into consecutive
+    windows of `context`; each token predicted exactly once), in fp32."""
+    device = next(model.parameters()).device
+    windows = lm_windows(ids, context)
+    total, count = 0.0, 0
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        full = [w for w in windows if len(w[0]) == context]
+        rest = [w for w in windows if len(w[0]) != context]
+        groups = [full[i:i + batch_windows] for i in range(0, len(full), batch_windows)] + [[w] for w in rest]
+        for group in groups:
+            x = torch.stack([w[0] for w in group]).to(device)                # (b, T)
+            y = torch.stack([w[1] for w in group]).to(device)
+            logits = model(x).float()
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    return total / count
 
 
 def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderDecoder
+from ..options import below_one, option, positive_int
+from ..train import TrainOptions
 from .common import arg, length_batches, length_grouped_rows, model_config, pad, warn
 
 IGNORE = -100
@@ -131,48 +134,46 @@ def score(model, tokenizer, sources, targets, max_len: int, num_beams: int = 1, 
             "chrf": metrics.chrf(hyps, refs), "exact_match": metrics.exact_match(hyps, refs), "hypotheses": hyps}
 
 
+@dataclass
+class TranslateOptions(TrainOptions):
+    title = "translation (--task translate)"
+    label_smoothing: float = option(0.1, "spread this much target probability over the vocabulary (default: 0.1, "
+                                    "as in 2017)", type=below_one)
+    heldout_numbers: int = option(1000, "numbers-fr-en: how many random numbers are held out, never trained on "
+                                  "(default: 1000)", type=positive_int)
+    eval_sentences: int = option(200, "held-out sentences translated (greedy) at each validation for BLEU/chrF/exact "
+                                 "match; val_loss always uses all (default: 200)", type=positive_int)
+    separate_vocab: bool = option(False, "train one BPE vocabulary per language instead of one shared (default: "
+                                  "shared); --vocab-size then applies to each", action="store_true")
+    max_len: int | None = option(None, "tokens per source / target sentence; longer ones are cut (default: the "
+                                 "model's length)", type=positive_int)
+
+
 class TranslateTask:
     name = "translate"
     default_data = "numbers-fr-en"
     default_preset = None  # DEFAULT_MODEL
+    Options = TranslateOptions
 
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        from ..cli.args import below_one, positive_int
-
-        g = parser.add_argument_group("translation (--task translate)")
-        g.add_argument("--label-smoothing", type=below_one, default=0.1,
-                       help="spread this much target probability over the vocabulary (default: 0.1, as in 2017)")
-        g.add_argument("--heldout-numbers", type=positive_int, default=1000,
-                       help="numbers-fr-en: how many random numbers are held out, never trained on (default: 1000)")
-        g.add_argument("--eval-sentences", type=positive_int, default=200,
-                       help="held-out sentences translated (greedy) at each validation for BLEU/chrF/exact match; "
-                            "val_loss always uses all (default: 200)")
-        g.add_argument("--separate-vocab", action="store_true",
-                       help="train one BPE vocabulary per language instead of one shared (default: shared); "
-                            "--vocab-size then applies to each")
-        g.add_argument("--max-len", type=positive_int, default=None,
-                       help="tokens per source / target sentence; longer ones are cut (default: the model's length)")
-
-    def __init__(self, args, tokenizer=None, init: str | None = None, source_tokenizer=None):
+    def __init__(self, opts: TranslateOptions, tokenizer=None, init: str | None = None, source_tokenizer=None):
         if init is not None:
             raise ConfigError("--init is not supported for --task translate (train from scratch, or --resume a run)")
-        self.args = args
-        self.seed = arg(args, "seed", 0)
-        self.val_fraction = arg(args, "val_fraction", 0.05)
-        self.data_name = str(arg(args, "data", "numbers-fr-en"))
-        self.label_smoothing = arg(args, "label_smoothing", 0.1)
+        self.opts = opts
+        self.seed = opts.seed
+        self.val_fraction = opts.val_fraction
+        self.data_name = str(arg(opts, "data", "numbers-fr-en"))
+        self.label_smoothing = opts.label_smoothing
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"--label-smoothing {self.label_smoothing} must be in [0, 1)")
-        self.eval_sentences = arg(args, "eval_sentences", 200)
-        self.heldout_numbers = arg(args, "heldout_numbers", 1000)
-        self.batch_size = arg(args, "batch_size", 32)
+        self.eval_sentences = opts.eval_sentences
+        self.heldout_numbers = opts.heldout_numbers
+        self.batch_size = opts.batch_size
         train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
-                                                       self.heldout_numbers, arg(args, "errors", "strict"))
-        self.separate_vocab = bool(arg(args, "separate_vocab", False))
+                                                       self.heldout_numbers, opts.errors)
+        self.separate_vocab = opts.separate_vocab
         if tokenizer is None:
             sources, targets = train if train is not None else self._number_texts(4000)
-            vocab_size = arg(args, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000))
+            vocab_size = arg(opts, "vocab_size", DEFAULT_VOCAB.get(self.data_name, 8000))
             if self.separate_vocab:
                 source_tokenizer = _train_tokenizer(sources, vocab_size)
                 tokenizer = _train_tokenizer(targets, vocab_size)
@@ -186,11 +187,11 @@ class TranslateTask:
             raise DataError("the tokenizer needs <pad>, <bos> and <eos> tokens for translation")
         if source_tokenizer is not None and None in (source_tokenizer.pad_id, source_tokenizer.eos_id):
             raise DataError("the source tokenizer needs <pad> and <eos> tokens for translation")
-        self.cfg = model_config(args, "encoder-decoder", tokenizer.vocab_size, 0, DEFAULT_MODEL,
+        self.cfg = model_config(opts, "encoder-decoder", tokenizer.vocab_size, 0, DEFAULT_MODEL,
                                 pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
                                 eos_token_id=tokenizer.eos_id, decoder_start_token_id=tokenizer.bos_id,
                                 src_vocab_size=source_tokenizer.vocab_size if source_tokenizer else None)
-        self.max_len = min(arg(args, "max_len", self.cfg.max_seq_len), self.cfg.max_seq_len)
+        self.max_len = min(arg(opts, "max_len", self.cfg.max_seq_len), self.cfg.max_seq_len)
         self.train_src = self.train_tgt = None
         if train is not None:
             self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len, source_tokenizer)
