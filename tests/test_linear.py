@@ -66,6 +66,8 @@ def test_split_product_equals_f_linear(parts, bias, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_packed_plan_gives_f_linear_and_is_used(monkeypatch, dtype, rows):
+    if not linear.packs(dtype):
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
     calls = counting(monkeypatch, Packed)
     m = layer(1024, 1024, dtype)                                  # 1M weights: packed
     assert plan_decoding(m, rows) == 1 and isinstance(m.plan, Packed)
@@ -88,7 +90,7 @@ def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two
     assert plan_decoding(layer(32, 96), 1) == 0                   # tiny: F.linear is fastest
     for other in (layer(256, 767), layer(256, 768, torch.bfloat16)):    # 767 outputs do not split in 2; bf16
         plan_decoding(other, 1)
-        assert isinstance(other.plan, Packed)
+        assert isinstance(other.plan, Packed if linear.packs(other.weight.dtype) else type(None))
 
 
 @needs_mkldnn
@@ -148,7 +150,7 @@ def test_a_changed_weight_never_uses_a_stale_plan(monkeypatch):
     plan_decoding(m, 1)                                           # planning again picks the new weights up
     with torch.no_grad():
         torch.testing.assert_close(m(xb), F.linear(xb, m.weight, m.bias), atol=2e-2, rtol=2e-2)
-    assert calls == ["Packed"]
+    assert calls == (["Packed"] if linear.packs(torch.bfloat16) else [])
 
 
 @needs_mkldnn

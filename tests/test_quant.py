@@ -1,5 +1,6 @@
-"""Int8 weight-only quantisation: the error stays within the bound the rounding allows, and a
-quantised model still computes what the float model does (closely) through every path."""
+"""Int8 quantisation (weight-only, and with int8 activations): the error stays within the bound the
+rounding allows, and a quantised model still computes what the float model does (closely) through
+every path."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tformer
-from tformer.quant import Int8Linear, quantize_int8, quantize_weight
+from tformer.quant import Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
+
+needs_fbgemm = pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM in this PyTorch build")
 
 
 def test_quantize_weight_uses_full_int8_range_per_row():
@@ -22,12 +25,12 @@ def test_quantize_weight_uses_full_int8_range_per_row():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_linear_error_within_rounding_bound(bias):
-    """|y - y_exact| <= (s_n / 2) * Σ_k |x_k| per output, the worst case of rounding each weight."""
+    """Weight-only: |y - y_exact| <= (s_n / 2) * Σ_k |x_k| per output, the worst case of rounding each weight."""
     torch.manual_seed(1)
     linear = nn.Linear(64, 48, bias=bias)
     x = torch.randn(2, 5, 64)                                                    # (B, T, K): any leading dims
     exact = linear(x)
-    approx = Int8Linear(linear)(x)
+    approx = Int8Linear(linear, activations="float")(x)
     assert approx.shape == exact.shape and approx.dtype == exact.dtype
     _, s = quantize_weight(linear.weight)
     bound = s / 2 * x.abs().sum(-1, keepdim=True) + 1e-5                         # (B, T, N)
@@ -39,12 +42,69 @@ def test_int8_kernel_equals_the_scaled_int8_matmul_formula():
     """The fast CPU kernel computes s_n · Σ_k x_k q_nk (the formula the fallback path uses)."""
     torch.manual_seed(2)
     linear = nn.Linear(96, 40, bias=False)
-    layer = Int8Linear(linear)
+    layer = Int8Linear(linear, activations="float")
     x = torch.randn(7, 96)
     formula = F.linear(x, layer.weight.float()) * layer.scales
     torch.testing.assert_close(layer(x), formula, rtol=1e-5, atol=1e-5)
     xb = x.bfloat16()
     torch.testing.assert_close(layer.to(torch.bfloat16)(xb).float(), formula, rtol=2e-2, atol=2e-2)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_activations_error_within_rounding_bound(bias):
+    """Int8 activations: |y - y_exact| <= (s_n / 2) Σ_k |x_k| + (a / 2) Σ_k s_n |q_nk|, with a the
+    input's 7-bit step (max(x, 0) - min(x, 0)) / 127 over the whole input."""
+    torch.manual_seed(5)
+    linear = nn.Linear(64, 48, bias=bias)
+    x = torch.randn(2, 5, 64) * torch.logspace(-1, 1, 64)                        # inputs of very different size
+    with torch.no_grad():
+        exact = linear(x)
+        approx = Int8Linear(linear)(x)
+    assert approx.shape == exact.shape and approx.dtype == exact.dtype
+    q, s = quantize_weight(linear.weight)
+    a = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
+    bound = (s / 2 * x.abs().sum(-1, keepdim=True) + a / 2 * (s[:, None] * q.abs()).sum(1)) * (1 + 1e-4) + 1e-5
+    assert ((approx - exact).abs() <= bound).all()
+    assert not torch.equal(approx, Int8Linear(linear, activations="float")(x))  # it really rounds the inputs
+
+
+@needs_fbgemm
+def test_int8_activations_kernel_equals_the_integer_formula():
+    """The integer kernel computes a·s_n · Σ_k (u_k - z) q_nk with u = clamp(round(x / a) + z, 0, 127)
+    and z = round(-min(x, 0) / a), written out here by hand."""
+    torch.manual_seed(6)
+    linear = nn.Linear(96, 40, bias=False)
+    layer = Int8Linear(linear)
+    x = torch.randn(7, 96) + 0.5
+    lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
+    a = (hi - lo) / 127
+    z = torch.round(-lo / a)
+    u = (torch.round(x / a) + z).clamp(0, 127)
+    formula = a * ((u - z) @ layer.weight.float().T) * layer.scales
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), formula, rtol=1e-4, atol=1e-4)
+        xb = x.bfloat16()                                                        # bf16 in, bf16 out, same kernel
+        torch.testing.assert_close(layer.to(torch.bfloat16)(xb).float(), layer.float()(xb.float()),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def test_int8_linear_refuses_an_unknown_activation_mode():
+    with pytest.raises(ValueError, match="activations='int4'"):
+        Int8Linear(nn.Linear(4, 4), activations="int4")
+
+
+def test_int8_linear_repacks_after_its_weight_changes():
+    """The FBGEMM copy of the weight follows the weight (load_state_dict), and a deep copy starts without one."""
+    import copy
+    layer = Int8Linear(nn.Linear(32, 16))
+    other = Int8Linear(nn.Linear(32, 16))
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer(x)
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(layer(x), other(x))
+        assert copy.deepcopy(layer).plan is None
 
 
 def _tiny_decoder():

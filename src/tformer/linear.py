@@ -36,16 +36,25 @@ SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (
 PACK_MIN = 1 << 20          # ... up to here, packed above (and for bf16); benchmarks/gemv_bandwidth.py
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack weights of this dtype here (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16
+                                                     or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Plan:
     """How one layer multiplies during decoding. Valid while its weight is the one it was made for
     (same storage, same version counter); a copied module starts without one (see __deepcopy__)."""
 
     def __init__(self, weight: Tensor, rows: int):
-        self.rows, self.ptr, self.version = rows, weight.data_ptr(), weight._version
+        # An inference tensor has no version counter (and changes only inside inference_mode).
+        self.version = None if weight.is_inference() else weight._version
+        self.rows, self.ptr = rows, weight.data_ptr()
         self.max_elems = MAX_ROWS * weight.size(1)
 
     def made_for(self, weight: Tensor) -> bool:
-        return weight.data_ptr() == self.ptr and weight._version == self.version
+        version = None if weight.is_inference() else weight._version
+        return weight.data_ptr() == self.ptr and version == self.version
 
     def usable(self, x: Tensor, weight: Tensor) -> bool:
         return (not torch.is_grad_enabled() and x.dtype == weight.dtype and x.numel() <= self.max_elems
@@ -102,7 +111,7 @@ class Linear(nn.Linear):
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
             return Split
-        if w.numel() >= SPLIT_MIN and torch.backends.mkldnn.is_available():
+        if w.numel() >= SPLIT_MIN and packs(w.dtype):
             return Packed
         return None
 

@@ -1,31 +1,48 @@
-"""Int8 weight-only quantisation, for faster decoding.
-
-Decoding one token at batch 1 reads every weight once and does two FLOPs per weight read, so its
-speed is set by memory bandwidth: tokens/s ≈ bandwidth / bytes of weights. Storing the weights of
-the linear layers as int8 (1 byte instead of 2 in bf16 or 4 in fp32) cuts the bytes per token.
-Activations stay in floating point ("weight-only"); nothing is quantised during training.
+"""Int8 quantisation of the linear layers, for faster inference on a CPU.
 
 Per output channel (row n of W, shape (N, K)) one scale s_n = max_k |W_nk| / 127, and
 q_nk = round(W_nk / s_n) in [-127, 127]. Because s_n is constant along the row,
 
     y_n = Σ_k x_k W_nk ≈ Σ_k x_k (q_nk s_n) = s_n · Σ_k x_k q_nk
 
-so the matmul runs on q directly and the scale is applied once per output. The rounding error of
-each weight is at most s_n / 2, hence |y_n - y_exact_n| <= (s_n / 2) · Σ_k |x_k| (the bound the
-tests check).
+so the matmul runs on q directly and the scale is applied once per output. Two ways to run it:
+
+- activations="int8" (the default; CPU, float inputs): each call also rounds its input to 7-bit
+  integers, x_k ≈ a·(u_k - z) with one step a = (max(x, 0) - min(x, 0)) / 127 for the whole input
+  and u_k in [0, 127], and multiplies integers by integers (FBGEMM's dynamic int8 linear, as
+  CTranslate2 and ONNX Runtime's dynamic int8 do). 7 bits, not 8: the AVX2 instruction that
+  multiplies u8 by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products
+  need no conversion of the weights, so this is fast at every row count (one row: reading the
+  int8 weights; many rows: ~2x the fp32 GEMM).
+- activations="float" (weight-only): x stays in floating point; on a CPU PyTorch's
+  `_weight_int8pack_mm` converts q inside the dot product. Fast only for bf16 inputs and a row
+  or two on CPUs with AVX-512; anywhere else (GPU, no FBGEMM) both modes take this path.
+
+Error, per output (the bound the tests check): rounding each weight moves it by at most s_n / 2,
+and rounding each input by at most a / 2, so
+
+    |y_n - y_exact_n| <= (s_n / 2) · Σ_k |x_k|  +  (a / 2) · Σ_k s_n |q_nk|
+
+(the second term only with int8 activations).
 
     model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
 
-Embedding tables stay as they are: a lookup reads one row per token, not the whole table. Use
-bf16 activations on CPU (`model.to(torch.bfloat16)` first): PyTorch's int8 kernel there is fast for
-bf16 inputs.
+Embedding tables stay as they are: a lookup reads one row per token, not the whole table. The
+rest of the model keeps its dtype; with int8 activations fp32 is the fast choice on a CPU
+(the kernel takes and returns fp32; bf16 inputs are converted there and back).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .linear import Plan
+
+ACTIVATIONS = ("int8", "float")
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -36,14 +53,40 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
+def dynamic_int8_available() -> bool:
+    """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Packed8(Plan):
+    """FBGEMM's copy of q and the scales, in its own layout; valid while the int8 weight is the one
+    it was made for (a plain attribute: state_dict and deepcopy never see it)."""
+
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__(weight, rows=0)
+        zero = torch.zeros(weight.size(0), dtype=torch.long)
+        with warnings.catch_warnings():          # PyTorch warns that quantized tensors are deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)        # reduce_range: 7-bit inputs
+
+
 class Int8Linear(nn.Module):
     """A drop-in for nn.Linear holding int8 weights and one scale per output feature.
-    forward(x (..., K)) -> (..., N) in x's dtype."""
+    forward(x (..., K)) -> (..., N) in x's dtype. `activations`: see the module docstring."""
 
-    def __init__(self, linear: nn.Linear):
+    plan: Packed8 | None = None
+
+    def __init__(self, linear: nn.Linear, activations: str = "int8"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r}: choose one of {ACTIVATIONS}")
         q, scales = quantize_weight(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.activations = activations
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales.to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
@@ -51,21 +94,32 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
-        scales = self.scales.to(x.dtype)
-        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if self._integer_path(x):
+            y = self._packed()(x2.float()).to(x.dtype)                           # a·s_n · Σ_k (u_k - z) q_nk
+        elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, scales)
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
         else:
-            y = F.linear(x2, self.weight.to(x.dtype)) * scales                   # s_n · Σ_k x_k q_nk
+            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)  # s_n · Σ_k x_k q_nk
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _integer_path(self, x: Tensor) -> bool:
+        return (self.activations == "int8" and x.device.type == "cpu" and x.is_floating_point()
+                and not (torch.is_grad_enabled() and x.requires_grad) and dynamic_int8_available())
+
+    def _packed(self) -> Packed8:
+        if self.plan is None or not self.plan.made_for(self.weight):
+            self.plan = Packed8(self.weight, self.scales.float())
+        return self.plan
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, "
+                f"activations={self.activations}")
 
 
-def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8") -> nn.Module:
     """Replace every nn.Linear in `model` (in place) by an Int8Linear, except those whose qualified
     name starts with one of `skip`. Returns the model. For inference only: Int8Linear has no
     trainable parameters."""
@@ -74,6 +128,5 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear))
+        setattr(parent, child, Int8Linear(linear, activations))
     return model
-

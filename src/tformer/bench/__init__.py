@@ -6,6 +6,8 @@ transformers, sentence-transformers) and with the machine's own limits, measured
     encoder   all-MiniLM-L6-v2 sentence embeddings vs sentence-transformers
     decode    greedy decoding (GPT-2-small and a small model), int8 weights, prefill latency,
               time per token vs context length, vs HF generate (share of the bandwidth ceiling)
+    engines   GPT-2 decoding and Marian beam search vs CTranslate2, MiniLM embeddings vs ONNX
+              Runtime, fp32 and int8 (needs the `bench` extra; missing peers are reported)
 
 Every row is a ratio of medians of interleaved, warmed-up runs on the same weights; ratio > 1
 means tformer is faster. Absolute numbers drift with the machine's load; ratios much less.
@@ -18,12 +20,12 @@ from typing import Callable
 
 from .common import machine_info, measure_ceilings
 
-BENCHES = ("train", "encoder", "decode")
+BENCHES = ("train", "encoder", "decode", "engines")
 
 
 def _module(name: str):
-    from . import decode, encoder, training
-    return {"train": training, "encoder": encoder, "decode": decode}[name]
+    from . import decode, encoder, engines, training
+    return {"train": training, "encoder": encoder, "decode": decode, "engines": engines}[name]
 
 
 def run(names: tuple[str, ...] = BENCHES, quick: bool = False, device: str = "cpu",
@@ -47,6 +49,8 @@ def run(names: tuple[str, ...] = BENCHES, quick: bool = False, device: str = "cp
         result["rows"] += rows
         if name == "decode":
             _int8_quality(result, quality_model, device, quick)
+        if name == "engines" and (note := _module(name).missing_note()):
+            result["notes"].append(note)
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -105,8 +109,14 @@ def _check(r: dict) -> str:
     parts = []
     if "min_cosine" in r:
         parts.append(f"min cos {r['min_cosine']:.6f}" + ("" if r.get("ok", True) else " FAILS"))
+    if "peer_min_cosine" in r:
+        parts.append(f"peer min cos {r['peer_min_cosine']:.6f}")
     if "same_tokens" in r:
         parts.append("same tokens" if r["same_tokens"] else "tokens differ")
+    if "same_output" in r:
+        parts.append(f"same output as peer {r['same_output']:.0%}")
+    if "same_as_hf" in r:
+        parts.append("= HF beam search" if r["same_as_hf"] else "differs from HF beam search")
     if "ppl_change" in r:
         parts.append(f"ppl {r['ppl']['fp32']:.3f} -> {r['ppl']['int8']:.3f} ({r['ppl_change']:+.2%})"
                      + ("" if r["ok"] else " FAILS <= 1%"))

@@ -3,7 +3,7 @@
 from tformer.cli import COMMANDS
 from tformer.errors import TformerError
 
-NAMES = ("train", "encoder", "decode")
+NAMES = ("train", "encoder", "decode", "engines")
 
 
 def register(sub) -> None:

