@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, TformerError
-from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
+from .models import ARCHITECTURES, EncoderClassifier
 
 FORMAT = "tformer"
 FORMAT_VERSION = 1
@@ -32,9 +32,6 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
 BEST = "best"  # RUN/best/: the best-scoring model of a run (see resolve)
-ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "Encoder": Encoder, "EncoderClassifier": EncoderClassifier, "Decoder": Decoder, "EncoderDecoder": EncoderDecoder,
-}
 
 
 def sha256(path: Path) -> str:
