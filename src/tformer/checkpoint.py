@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, TformerError
-from .models import Decoder, Encoder, EncoderClassifier, EncoderDecoder
+from .models import ARCHITECTURES, EncoderClassifier
 from .runs import CONFIG, resolve
 
 FORMAT = "tformer"
@@ -30,9 +30,6 @@ FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
-ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "Encoder": Encoder, "EncoderClassifier": EncoderClassifier, "Decoder": Decoder, "EncoderDecoder": EncoderDecoder,
-}
 
 
 def sha256(path: Path) -> str:

@@ -49,6 +49,17 @@ def combine(*masks: Tensor | None) -> Tensor | None:
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
+def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool,
+                        device=None) -> Tensor | None:
+    """Bool mask for self-attention over `offset` cached + `t` new positions, or None when the fused
+    kernel needs none (no padding, and causal-from-position-0 or a single new token)."""
+    if attention_mask is None and (not causal or offset == 0 or t == 1):
+        return None
+    causal_part = causal_mask(t, offset + t, device=device) if causal else None
+    pad = padding_mask(attention_mask) if attention_mask is not None else None
+    return combine(causal_part, pad)
+
+
 class Packing:
     """The real tokens of a padded batch, for running the token-wise layers (projections, FFN,
     norms: most of an encoder's work) on them alone. Attention unpacks to (B, T, ·) rows, with

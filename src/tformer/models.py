@@ -21,55 +21,12 @@ from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
 from .dropout import Dropout
 from .errors import ConfigError
+from .embeddings import Embeddings
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
-from .masks import Packing, causal_mask, combine, padding_mask
-from .positional import LearnedPositions, RelativePositionBias, RotaryEmbedding, SinusoidalPositions
-
-
-class Embeddings(nn.Module):
-    """Token vector (x √D in the 2017 model) + position vector (+ segment vector in BERT) -> norm? -> dropout."""
-
-    def __init__(self, cfg: ModelConfig, token: nn.Embedding | None = None):
-        super().__init__()
-        self.token = token if token is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
-        if cfg.positional == "learned":
-            self.position = LearnedPositions(cfg.max_seq_len, cfg.d_model, cfg.position_offset)
-        elif cfg.positional == "sinusoidal":
-            self.position = SinusoidalPositions(cfg.max_seq_len, cfg.d_model, cfg.sinusoidal_layout)
-        else:
-            self.position = None  # RoPE and T5's relative bias act inside attention instead
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
-        self.norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
-        self.dropout = Dropout(cfg.dropout)
-        self.max_len = cfg.max_seq_len if self.position is not None else None  # RoPE has no table to run off
-
-    def forward(self, ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        # Shape checks only (free): an index error deep inside an embedding says nothing to a user.
-        if ids.dim() != 2 or ids.is_floating_point():
-            raise ConfigError(f"token ids must be an integer tensor of shape (batch, length), got "
-                              f"{ids.dtype} of shape {tuple(ids.shape)}")
-        if self.max_len is not None and ids.size(1) > self.max_len:
-            raise ConfigError(f"the input has {ids.size(1)} tokens but the model's context is "
-                              f"max_seq_len={self.max_len} (shorten it)")
-        x = self.token(ids) * self.scale                                         # (B, T, D)
-        if self.position is not None:
-            x = x + self.position(positions)
-        if self.token_type is not None:
-            x = x + self.token_type(token_type_ids if token_type_ids is not None else torch.zeros_like(ids))
-        return self.dropout(self.norm(x))
-
-
-def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool,
-                        device=None) -> Tensor | None:
-    """Bool mask for self-attention over `offset` cached + `t` new positions, or None when the fused
-    kernel needs none (no padding, and causal-from-position-0 or a single new token)."""
-    if attention_mask is None and (not causal or offset == 0 or t == 1):
-        return None
-    causal_part = causal_mask(t, offset + t, device=device) if causal else None
-    pad = padding_mask(attention_mask) if attention_mask is not None else None
-    return combine(causal_part, pad)
+from .masks import Packing, combine, padding_mask, self_attention_mask
+from .pooling import POOLINGS
+from .positional import RelativePositionBias, RotaryEmbedding
 
 
 def default_positions(t: int, offset: int, device) -> Tensor:
@@ -141,23 +98,6 @@ class Encoder(nn.Module):
         elif attention_mask is not None:
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)           # the same 0s without packing
         return (x, attentions) if return_attention else x
-
-
-def first_token(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """BERT's pooling: the vector of the first token ([CLS]). (B, T, D) -> (B, D)."""
-    return hidden[:, 0]
-
-
-def mean_tokens(hidden: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """The mean of the real (non-padding) tokens' vectors: the pooling sentence-transformers models
-    such as all-MiniLM-L6-v2 were trained with, so their first token carries no sentence meaning."""
-    if attention_mask is None:
-        return hidden.mean(1)
-    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)                    # (B, T, 1)
-    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
-
-
-POOLINGS = {"first": first_token, "mean": mean_tokens}
 
 
 class EncoderClassifier(nn.Module):
@@ -362,3 +302,8 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)
         return self.decoder.new_cache(self.cfg.stack_config("decoder"), batch_size, max_len or self.cfg.max_seq_len,
                                       _cache_dtype(param, dtype), param.device, cross=True)
+
+
+# Every model class by name: what a checkpoint's "architecture" field names (checkpoint.py).
+ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (Encoder, EncoderClassifier, Decoder,
+                                                                           EncoderDecoder)}

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..positional import LearnedPositions
 from .common import ReadProbe, from_hf_model, hf_gpt2, interleaved_times, sync, weight_bytes
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
@@ -45,9 +46,8 @@ def _generators(ours, hf, ids: torch.Tensor, new: int):
 
 def bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes one decoding step reads: every weight, except the position table (one row is read)."""
-    table = model.stack.embed.position
-    skip = table.weight.numel() * table.weight.element_size() if hasattr(table, "weight") else 0
-    return weight_bytes(model) - skip
+    tables = [m.weight for m in model.modules() if isinstance(m, LearnedPositions)]
+    return weight_bytes(model) - sum(t.numel() * t.element_size() for t in tables)
 
 
 class StepClock:

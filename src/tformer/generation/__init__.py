@@ -20,7 +20,8 @@ from .decoding import generate, stream
 from .processors import (apply_repetition_penalty, apply_temperature, greedy, min_p_filter, process_logits,
                          sample, top_k_filter, top_p_filter)
 from .stopping import TextStream, sequence_hits
-from .text import eos_ids, prompt_ids, stream_text, windowed
+from .settings import eos_ids
+from .text import prompt_ids, stream_text, windowed
 
 __all__ = [
     "generate", "stream", "stream_text", "windowed", "eos_ids", "prompt_ids", "TextStream", "sequence_hits",

@@ -63,10 +63,13 @@ class Settings:
         return not self.do_sample or self.temperature == 0
 
 
-def _as_list(x) -> list:
-    if x is None:
-        return []
-    return [x] if isinstance(x, int) else [int(i) for i in x]
+def eos_ids(model, eos_token_id=None, tokenizer=None) -> list[int]:
+    """The ids that end a text, for every caller: `eos_token_id` when given (an int or a list; []
+    for none), else the model config's, else the tokenizer's EOS (when a tokenizer is given)."""
+    eos = eos_token_id if eos_token_id is not None else model.cfg.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = getattr(tokenizer, "eos_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def make_settings(model, *, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
@@ -81,7 +84,7 @@ def make_settings(model, *, max_new_tokens=20, do_sample=False, temperature=1.0,
     top_p = 1.0 if top_p is None else top_p
     repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
     length_penalty = 1.0 if length_penalty is None else length_penalty
-    eos = _as_list(cfg.eos_token_id if eos_token_id is None else eos_token_id)
+    eos = eos_ids(model, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)
     s = Settings(max_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, num_beams,

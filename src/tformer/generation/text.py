@@ -1,8 +1,8 @@
 """Text in, text out: one prompt through generate's steps, decoded as the tokens arrive.
 
-The rules every text caller shares live here once: which ids end a text (eos_ids), what a prompt
-becomes when it tokenizes to nothing (prompt_ids), and how a decoder writes past its context
-(windowed: the nanoGPT sampler's restart from the last half-context).
+The rules every text caller shares live here once: what a prompt becomes when it tokenizes to
+nothing (prompt_ids) and how a decoder writes past its context (windowed: the nanoGPT sampler's
+restart from the last half-context). Which ids end a text is settings.eos_ids.
 """
 
 from __future__ import annotations
@@ -14,16 +14,8 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .decoding import stream
+from .settings import eos_ids
 from .stopping import TextStream
-
-
-def eos_ids(model, eos_token_id=None, tokenizer=None) -> list[int]:
-    """The ids that end a text: `eos_token_id` when given (an int or a list; [] for none), else the
-    model config's, else the tokenizer's EOS."""
-    eos = eos_token_id if eos_token_id is not None else model.cfg.eos_token_id
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:

@@ -132,11 +132,11 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
 def hf_family(model: nn.Module):
     """The HF family that represents `model` exactly, or ConfigError saying why none does."""
     cfg = getattr(model, "cfg", None)
-    if type(model).__name__ not in ("Decoder", "Encoder", "EncoderDecoder") or cfg is None:
+    if getattr(model, "kind", None) not in EXPORT_ORDER or cfg is None:
         raise ConfigError(f"cannot export a {type(model).__name__} to Hugging Face format "
                           f"(export a Decoder, Encoder or EncoderDecoder; for a classifier, its .encoder)")
     reasons = []
-    for family in EXPORT_ORDER[cfg.kind]:
+    for family in EXPORT_ORDER[model.kind]:
         problems = family.fits(cfg)
         if not problems:
             return family
