@@ -4,10 +4,12 @@ translates, saves and reloads; the relative bias shows in `tformer trace`."""
 
 import json
 
+import pytest
 import torch
 
 from tformer import PRESETS, EncoderDecoder, ModelConfig, corpora
 from tformer.checkpoint import load
+from tformer.errors import ConfigError
 from tformer.cli import main
 from tformer.tokenizers import Tokenizer
 from tformer.trace import attention_maps, prepare, trace
@@ -67,3 +69,14 @@ def test_attention_pictures_show_each_stacks_relative_bias():
     for d in range(-5, 6):
         diag = b.diagonal(offset=d, dim1=-2, dim2=-1)
         assert torch.equal(diag, diag[:, :1].expand_as(diag))
+
+
+def test_trace_of_an_encoder_decoder_whose_stacks_differ_in_heads():
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="encoder-decoder", vocab_size=TOK.vocab_size, d_model=24, n_heads=6, n_decoder_heads=2,
+                      n_layers=1, d_decoder_ff=20, pad_token_id=0)
+    model = EncoderDecoder(cfg).eval()
+    inputs = prepare(model, TOK, "vingt", target="twenty")
+    assert "check: traced output = model forward" in trace(model, inputs, TOK, head=1)
+    with pytest.raises(ConfigError, match="heads 0..1 in every stack"):
+        trace(model, inputs, TOK, head=4)

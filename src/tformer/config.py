@@ -129,7 +129,7 @@ class ModelConfig:
                 raise ConfigError(
                     f"d_model={self.d_model} must be divisible by {heads_field}={heads} "
                     f"(each head gets d_model / n_heads dimensions, unless head_size is set)")
-            if heads % self.kv_heads:
+            if self.n_kv_heads is not None and heads % self.n_kv_heads:
                 raise ConfigError(f"{heads_field}={heads} must be divisible by n_kv_heads={self.n_kv_heads}")
             head = self.head_size or self.d_model // heads
             if self.positional == "rope" and head % 2:
