@@ -64,10 +64,14 @@ def test_fused_and_unfused_equal_reference_with_a_bias(kind):
     q, k, v = qkv(b=2, h=3, t_q=6, t_k=6, hd=8)
     mask = masks_for(2, 6).get(kind)
     bias = torch.randn(1, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    bias.requires_grad_()                                             # T5 learns its bias table through it
     kw = dict(is_causal=kind == "is_causal", bias=bias, scale=0.5)
     ref = attention(q, k, v, mask, **kw)
-    torch.testing.assert_close(fused_attention(q, k, v, mask, **kw), ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(unfused_attention(q, k, v, mask, **kw), ref, atol=1e-5, rtol=0)
+    (ref_grad,) = torch.autograd.grad(ref.pow(2).sum(), bias)
+    for path in (fused_attention, unfused_attention):
+        out = path(q, k, v, mask, **kw)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.autograd.grad(out.pow(2).sum(), bias)[0], ref_grad, atol=1e-5, rtol=0)
 
 
 def masks_for(b, t):

@@ -124,6 +124,10 @@ def test_presets_build(name):
         assert abs(n - 124_439_808) < 1000
     if name == "bert-base":                                            # BERT-base encoder without pooler
         assert abs(n - 108_891_648) < 1000
+    if name == "t5-small":                                             # T5ForConditionalGeneration t5-small
+        assert n == 60_506_624
+    if name == "flan-t5-small":                                        # google/flan-t5-small (untied head)
+        assert n == 76_961_152
 
 
 def test_preset_overrides_and_unknown_name():

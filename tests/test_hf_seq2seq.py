@@ -16,7 +16,7 @@ MARIAN = [
     dict(vocab_size=45, d_model=20, encoder_attention_heads=5, decoder_attention_heads=5, encoder_layers=1,
          decoder_layers=3, encoder_ffn_dim=36, decoder_ffn_dim=36, max_position_embeddings=64,
          activation_function="relu", pad_token_id=44, decoder_start_token_id=44, tie_word_embeddings=False),
-    dict(vocab_size=45, d_model=24, encoder_attention_heads=2, decoder_attention_heads=6, encoder_layers=3,
+    dict(vocab_size=45, d_model=24, encoder_attention_heads=6, decoder_attention_heads=4, encoder_layers=3,
          decoder_layers=1, encoder_ffn_dim=48, decoder_ffn_dim=20, max_position_embeddings=64,
          scale_embedding=True, pad_token_id=44, decoder_start_token_id=44),      # the two stacks differ
 ]

@@ -194,3 +194,18 @@ def test_export_refuses_a_t5_with_per_stack_heads(tmp_path):
                               activation="relu", norm_position="pre", pad_token_id=0)
     with pytest.raises(ConfigError, match="t5 does not fit: n_decoder_heads=4"):
         tformer.to_hf(tformer.EncoderDecoder(cfg), tmp_path / "x")
+
+
+def test_import_hf_and_export_hf_commands(tmp_path, capsys):
+    from tformer.cli import main
+
+    hf = save_hf(transformers.T5ForConditionalGeneration(transformers.T5Config(**V10, **NO_EOS)), tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    assert main(["export-hf", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
+    assert "as t5 (T5ForConditionalGeneration)" in capsys.readouterr().out
+    reloaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    src, src_mask = batch(V10["vocab_size"], 2, 6, seed=14)
+    tgt, tgt_mask = batch(V10["vocab_size"], 2, 5, seed=15)
+    with torch.no_grad():
+        kw = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+        assert_close_real(reloaded(**kw).logits, hf(**kw).logits, tgt_mask)

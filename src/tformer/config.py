@@ -138,7 +138,7 @@ class ModelConfig:
                 raise ConfigError(
                     f"d_model={self.d_model} must be divisible by {heads_field}={heads} "
                     f"(each head gets d_model / n_heads dimensions, unless head_size is set)")
-            if heads % self.kv_heads:
+            if self.n_kv_heads is not None and heads % self.n_kv_heads:
                 raise ConfigError(f"{heads_field}={heads} must be divisible by n_kv_heads={self.n_kv_heads}")
             head = self.head_size or self.d_model // heads
             if self.positional == "rope" and head % 2:
@@ -219,6 +219,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "transformer-base": dict(kind="encoder-decoder", vocab_size=37000, d_model=512, n_heads=8, n_layers=6,
                              d_ff=2048, max_seq_len=512, dropout=0.1, norm_position="post",
                              positional="sinusoidal", activation="relu", embed_scale=True),
+    # T5 (v1.0) and Flan-T5 / T5 v1.1 small: pre-RMS-norm, no biases, relative position bias, unscaled scores.
+    "t5-small": dict(kind="encoder-decoder", vocab_size=32128, d_model=512, n_heads=8, head_size=64, n_layers=6,
+                     d_ff=2048, max_seq_len=512, dropout=0.1, ffn_dropout=0.1, norm_position="pre",
+                     positional="relative", activation="relu", norm="rmsnorm", norm_eps=1e-6, bias=False,
+                     attention_scale=False, output_scale=True),
+    "flan-t5-small": dict(kind="encoder-decoder", vocab_size=32128, d_model=512, n_heads=6, head_size=64,
+                          n_layers=8, d_ff=1024, max_seq_len=512, dropout=0.1, ffn_dropout=0.1, norm_position="pre",
+                          positional="relative", activation="geglu", norm="rmsnorm", norm_eps=1e-6, bias=False,
+                          attention_scale=False, tie_embeddings=False),
 }
 
 

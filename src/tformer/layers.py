@@ -89,8 +89,8 @@ def residual(cfg: ModelConfig) -> nn.Module:
     return (PreNorm if cfg.norm_position == "pre" else PostNorm)(make_norm(cfg), cfg.dropout)
 
 
-def multi_head_attention(cfg: ModelConfig, rotary: nn.Module | None = None, cross: bool = False) -> MultiHeadAttention:
-    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.attention_dropout, cross=cross,
+def self_attention(cfg: ModelConfig, rotary: nn.Module | None = None) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias, cfg.attention_dropout,
                               rotary=rotary, head_dim=cfg.head_dim, scaled=cfg.attention_scale)
 
 
@@ -99,7 +99,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, rotary: nn.Module | None = None):
         super().__init__()
-        self.attn = multi_head_attention(cfg, rotary)
+        self.attn = self_attention(cfg, rotary)
         self.attn_residual = residual(cfg)
         self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.bias, cfg.ffn_dropout)
         self.ffn_residual = residual(cfg)
@@ -127,10 +127,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cross: bool = False, rotary: nn.Module | None = None):
         super().__init__()
-        self.attn = multi_head_attention(cfg, rotary)
+        self.attn = self_attention(cfg, rotary)
         self.attn_residual = residual(cfg)
         if cross:
-            self.cross_attn = multi_head_attention(cfg, cross=True)
+            self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.bias,
+                                                 cfg.attention_dropout, cross=True, head_dim=cfg.head_dim,
+                                                 scaled=cfg.attention_scale)
             self.cross_residual = residual(cfg)
         else:
             self.cross_attn = None

@@ -29,8 +29,9 @@ def trace(model: nn.Module, inputs: Inputs, tokenizer=None, token: int | None = 
     """A readable account of `inputs` going through `model`: one line per step with its shape and,
     for the followed `token` (default: the last; the first for a classifier) and `head`, a few numbers."""
     kind, cfg = inspected_kind(model), model.cfg
-    if not 0 <= head < cfg.n_heads:
-        raise ConfigError(f"--head {head} is out of range (the model has heads 0..{cfg.n_heads - 1})")
+    heads = min(cfg.n_heads, cfg.stack_config("decoder").n_heads)    # an encoder-decoder's stacks may differ
+    if not 0 <= head < heads:
+        raise ConfigError(f"--head {head} is out of range (the model has heads 0..{heads - 1} in every stack)")
     rec = Recorder(model)
     try:
         traced, _ = run(model, inputs, return_attention=True)

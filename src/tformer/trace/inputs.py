@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DataError
+from ..masks import causal_mask
+from ..positional import RelativePositionBias
 from ..viz import AttentionMap
 
 
@@ -121,9 +123,29 @@ def attention_maps(model: nn.Module, inputs: Inputs) -> list[AttentionMap]:
     src, tgt = inputs.tokens, inputs.target_tokens
     kind = inspected_kind(model)
     if kind == "encoder-decoder":
-        return [AttentionMap("encoder self-attention", rows(weights["encoder"]), src, src),
+        maps = [AttentionMap("encoder self-attention", rows(weights["encoder"]), src, src),
                 AttentionMap("decoder self-attention", rows(weights["decoder"]), tgt, tgt, causal=True),
                 AttentionMap("cross-attention", rows(weights["cross"]), tgt, src)]
-    if kind == "decoder":
-        return [AttentionMap("self-attention (causal)", rows(weights), src, src, causal=True)]
-    return [AttentionMap("self-attention", rows(weights), src, src)]
+    elif kind == "decoder":
+        maps = [AttentionMap("self-attention (causal)", rows(weights), src, src, causal=True)]
+    else:
+        maps = [AttentionMap("self-attention", rows(weights), src, src)]
+    return maps + relative_bias_maps(model, inputs)
+
+
+@torch.no_grad()
+def relative_bias_maps(model: nn.Module, inputs: Inputs) -> list[AttentionMap]:
+    """T5's relative position bias on its own, softmax(b) per head: which offsets each head favours
+    before any content enters. One map (one row) per stack that has a bias table."""
+    out = []
+    for module in model.modules():
+        if not isinstance(module, RelativePositionBias):
+            continue
+        causal = not module.bidirectional
+        tokens = inputs.target_tokens if causal and inputs.target_tokens is not None else inputs.tokens
+        b = module(len(tokens), len(tokens))                                     # (1, H, T, T)
+        if causal:
+            b = b.masked_fill(~causal_mask(len(tokens), device=b.device), float("-inf"))
+        out.append(AttentionMap(f"{'decoder' if causal else 'encoder'} relative position bias, softmax(b) alone",
+                                [b[0].softmax(-1).float().tolist()], tokens, tokens, causal=causal))
+    return out

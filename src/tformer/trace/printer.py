@@ -95,6 +95,8 @@ class Printer:
             letters = f"{L} D" if pos.dim() == 2 else f"B {L} D"
             self.line(1, f"+ position ({self.cfg.positional})", self.shape(pos, letters),
                       self.vec(pos.reshape(-1, pos.size(-1))[i], "p_i="))
+        elif self.cfg.positional == "relative":
+            self.line(1, "positions: a learned bias per head and distance bucket on every self-attention score")
         else:
             self.line(1, "positions: RoPE rotates Q and K inside every attention")
         if embed.token_type is not None:
@@ -153,9 +155,18 @@ class Printer:
             self.line(2, "RoPE: rotate q and k by their positions", self.shape(q, f"B H {L} d_k"),
                       self.vec(q[0, h, i], "q_i="))
         k, v = (t.repeat_interleave(mha.n_heads // mha.n_kv_heads, dim=1) for t in (k, v))  # (B, H, K, d_k)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(mha.head_dim)                # (B, H, T_q, T_k)
-        self.line(2, f"S = Q Kᵀ / √d_k  (√{mha.head_dim} = {math.sqrt(mha.head_dim):.2f})",
-                  self.shape(scores, f"B H {L} {K}"), self.vec(scores[0, h, i], "s_i·="))
+        if mha.scale is None:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(mha.head_dim)            # (B, H, T_q, T_k)
+            formula = f"S = Q Kᵀ / √d_k  (√{mha.head_dim} = {math.sqrt(mha.head_dim):.2f})"
+        else:
+            scores = q @ k.transpose(-2, -1) * mha.scale
+            formula = "S = Q Kᵀ  (unscaled, as in T5)" if mha.scale == 1 else f"S = Q Kᵀ × {mha.scale:g}"
+        self.line(2, formula, self.shape(scores, f"B H {L} {K}"), self.vec(scores[0, h, i], "s_i·="))
+        bias = bound.get("position_bias")
+        if bias is not None:                     # T5: b[bucket(j - i), h], one table per stack
+            scores = scores + bias
+            self.line(2, "+ relative position bias b(bucket(j − i)), shared by the stack's layers",
+                      self.shape(bias, f"1 H {L} {K}"), self.vec(bias[0, h, i], "b_i·="))
         mask = bound.get("mask")
         if bound.get("is_causal"):
             mask = with_causal(mask, q.size(2), k.size(2), device=q.device)
@@ -189,9 +200,10 @@ class Printer:
         act = self.cfg.activation
         self.line(1, f"FFN, per token: {act}(x W_1 + b_1) W_2 + b_2")
         if ffn.gated:
-            self.line(2, "[gate; up] = x W_1 (SwiGLU)", self.shape(up.output, f"B {L} 2·d_ff"),
+            self.line(2, f"[gate; up] = x W_1 ({act})", self.shape(up.output, f"B {L} 2·d_ff"),
                       self.vec(up.output[0, i], "h_i="))
-            self.line(2, "silu(gate) ⊙ up", self.shape(down.args[0], f"B {L} d_ff"), self.vec(down.args[0][0, i], "a_i="))
+            gate = "silu" if act == "swiglu" else "gelu"
+            self.line(2, f"{gate}(gate) ⊙ up", self.shape(down.args[0], f"B {L} d_ff"), self.vec(down.args[0][0, i], "a_i="))
         else:
             self.line(2, "h = x W_1 + b_1 (up)", self.shape(up.output, f"B {L} d_ff"), self.vec(up.output[0, i], "h_i="))
             self.line(2, f"{act}(h)", self.shape(down.args[0], f"B {L} d_ff"), self.vec(down.args[0][0, i], "a_i="))
