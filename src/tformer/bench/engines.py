@@ -32,9 +32,10 @@ GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
 # init_std 0.2 (HF's default 0.02 makes a random model repeat one token): varied outputs, so that
 # the equality checks mean something.
 MARIAN = dict(init_std=0.2, vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6,
-              encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=512,
-              activation_function="swish", scale_embedding=True, eos_token_id=0, pad_token_id=31999,
-              decoder_start_token_id=31999, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+              encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+              max_position_embeddings=512, activation_function="swish", scale_embedding=True, eos_token_id=0,
+              pad_token_id=31999, decoder_start_token_id=31999, dropout=0.0, attention_dropout=0.0,
+              activation_dropout=0.0)
 
 
 def missing_peers() -> list[str]:
