@@ -115,7 +115,7 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
                           f"(tformer imports {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
     cfg = family.config_from_hf(hf_config)
-    # A family with task heads (BERT: token classification) builds the model config.json names.
+    # A family with task heads (BERT: token classification) builds the model `architectures` names.
     model = family.build_for(hf_config, cfg) if hasattr(family, "build_for") else family.build(cfg)
     source = str(path)
     hf_state = _strip_prefix(read_hf_weights(path), family)

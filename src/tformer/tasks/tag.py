@@ -31,7 +31,7 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..models import EncoderTokenClassifier
-from ..tokenizers import Tokenizer, make_tokenizer
+from ..tokenizers import Tokenizer, check_text, make_tokenizer
 from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
                      model_config, pad, warn)
 
@@ -76,14 +76,20 @@ def split_words(text: str) -> list[str]:
     return WORD.findall(text)
 
 
-def encode_words(tokenizer: Tokenizer, sentences: list[list[str]], max_len: int) -> tuple[list[list[int]], list[list[int | None]], int]:
+def encode_words(tokenizer: Tokenizer, sentences: list[list[str]],
+                 max_len: int) -> tuple[list[list[int]], list[list[int | None]], int]:
     """[bos] + the words' pieces + [eos], cut to max_len, and for each word the position of its first
     piece (None: the word has no piece, or it was cut off). Returns also how many sentences were cut."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     room = max_len - len(bos) - len(eos)
     seqs, firsts, cut = [], [], 0
-    encodings = tokenizer.hf.encode_batch(sentences, is_pretokenized=True, add_special_tokens=False)
+    try:
+        encodings = tokenizer.hf.encode_batch(sentences, is_pretokenized=True, add_special_tokens=False)
+    except TypeError:  # text that is not UTF-8 (stdin, arguments): say which byte
+        for words in sentences:
+            check_text(" ".join(words))
+        raise
     for words, enc in zip(sentences, encodings):
         word_ids = enc.word_ids[:room]
         cut += len(enc.ids) > room
