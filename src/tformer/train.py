@@ -67,6 +67,7 @@ TASKS: dict[str, str] = {
     "lm": "tformer.tasks.lm:LMTask",
     "classify": "tformer.tasks.classify:ClassifyTask",
     "translate": "tformer.tasks.translate:TranslateTask",
+    "tag": "tformer.tasks.tag:TagTask",
 }
 
 

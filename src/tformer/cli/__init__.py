@@ -26,6 +26,7 @@ COMMANDS = {
     "generate": "continue a prompt with a trained decoder",
     "classify": "label texts with a trained classifier",
     "translate": "translate lines with a trained encoder-decoder",
+    "tag": "label each word of texts with a trained tagger (named entities)",
     "eval": "evaluate a checkpoint on held-out data",
     "attention": "draw attention maps (PNG grid + interactive HTML)",
     "trace": "print the path of one input through the model, with shapes",

@@ -3,10 +3,12 @@
     tformer eval --model runs/hamlet                 # the run's own validation text: loss, perplexity
     tformer eval --model runs/sentiment --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
     tformer eval --model runs/numbers --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
+    tformer eval --model runs/ner                     # held-out sentences: loss, entity precision/recall/F1
 
 Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
 fraction, seed), so the scores are on data the model never trained on. With --data: a text file
-(language model), a CSV/TSV/JSONL table (classifier) or a TSV/JSONL of pairs (translator), scored whole.
+(language model), a CSV/TSV/JSONL table (classifier), a TSV/JSONL of pairs (translator) or a CoNLL
+file of `word label` lines (tagger), scored whole.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def register(sub) -> None:
                         "else the newest checkpoint)")
     p.add_argument("--data", default=None, help="data to score (default: the run's held-out split)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys val_loss, perplexity, accuracy, "
-                   "macro_f1, bleu, chrf, exact_match: those that apply)")
+                   "macro_f1, bleu, chrf, exact_match, precision, recall, f1: those that apply)")
     p.add_argument("--num-beams", type=positive_int, default=1, help="translation: beam width, 1 = greedy (default 1)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score only the first N examples")
     p.add_argument("--text-column", default=None, help="classification --data: the text column (default: the run's)")
@@ -38,20 +40,22 @@ def register(sub) -> None:
 def run(args) -> int:
     from tformer.checkpoint import load, read_config
     from tformer.errors import ConfigError
-    from tformer.models import Decoder, EncoderClassifier, EncoderDecoder
+    from tformer.models import Decoder, EncoderClassifier, EncoderDecoder, EncoderTokenClassifier
     from tformer.tokenizers import load_tokenizer
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--num-beams and --limit must be at least 1")
     model = load(args.model)
     model.eval()
-    if not isinstance(model, (Decoder, EncoderClassifier, EncoderDecoder)):
+    if not isinstance(model, (Decoder, EncoderClassifier, EncoderDecoder, EncoderTokenClassifier)):
         raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
-                          "EncoderClassifier or EncoderDecoder")
+                          "EncoderClassifier, EncoderTokenClassifier or EncoderDecoder")
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
     if isinstance(model, EncoderClassifier):
         result, extra = eval_classifier(model, tokenizer, meta, args)
+    elif isinstance(model, EncoderTokenClassifier):
+        result, extra = eval_tagger(model, tokenizer, meta, args)
     elif isinstance(model, EncoderDecoder):
         result, extra = eval_translator(model, tokenizer, meta, args)
     else:
@@ -114,6 +118,21 @@ def eval_classifier(model, tokenizer, meta, args):
     s = score(model, tokenizer, texts, [index[n] for n in names], max_len, labels)
     return ({"val_loss": s["val_loss"], "accuracy": s["accuracy"], "macro_f1": s["macro_f1"]},
             format_confusion(s["confusion"], labels))
+
+
+def eval_tagger(model, tokenizer, meta, args):
+    from tformer.metrics import entity_report
+    from tformer.tasks.tag import check_labels, label_names, load_data, score, select, split
+
+    held = meta.get("heldout", {})
+    data = load_data(args.data or held.get("data", "wnut16"))
+    if args.data is None:
+        data = select(data, split(data, held.get("val_fraction", 0.1), held.get("seed", 0))[1])
+    check_labels(data, label_names(model), args.data or data.name)
+    words, labels = _limit(data.words, args.limit), _limit(data.labels, args.limit)
+    max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    s = score(model, tokenizer, words, labels, max_len)
+    return {k: s[k] for k in ("val_loss", "precision", "recall", "f1")}, entity_report(s["predicted"], labels)
 
 
 def eval_translator(model, tokenizer, meta, args):

@@ -35,7 +35,8 @@ from . import bart, bert, gpt2, keymap, llama, marian, t5
 log = logging.getLogger(__name__)
 FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, bert, marian, bart, llama, t5)}
 # Export: which HF family each tformer model kind may become, tried in this order.
-EXPORT_ORDER = {"decoder": (gpt2, llama), "encoder": (bert, t5), "encoder-decoder": (marian, bart, t5)}
+EXPORT_ORDER = {"decoder": (gpt2, llama), "encoder": (bert, t5), "encoder-decoder": (marian, bart, t5),
+                "tagger": (bert,)}
 
 
 def read_hf_config(path: Path) -> dict:
@@ -115,13 +116,14 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
                           f"(tformer imports {', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
     cfg = family.config_from_hf(hf_config)
-    model = family.build(cfg)
+    # A family with task heads (BERT: token classification) builds the model `architectures` names.
+    model = family.build_for(hf_config, cfg) if hasattr(family, "build_for") else family.build(cfg)
     source = str(path)
     hf_state = _strip_prefix(read_hf_weights(path), family)
     keymap.merge_copies(hf_state, family.copies(cfg), source, "tformer keeps one tensor for both (tied weights)")
     if hasattr(family, "prepare_import"):
         family.prepare_import(hf_state, cfg, source)
-    rules = family.rules(cfg)
+    rules = _rules(family, model)
     expected = {k: tuple(v.shape) for k, v in keymap.to_hf(rules, unique_state_dict(model), cfg).items()}
     keymap.check_hf_state(hf_state, expected, family.IGNORED, source)
     load_state(model, keymap.to_ours(rules, hf_state), source)
@@ -129,12 +131,17 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
     return model.eval(), dropped
 
 
+def _rules(family, model: nn.Module) -> list[keymap.Rule]:
+    return family.rules_for(model) if hasattr(family, "rules_for") else family.rules(model.cfg)
+
+
 def hf_family(model: nn.Module):
     """The HF family that represents `model` exactly, or ConfigError saying why none does."""
     cfg = getattr(model, "cfg", None)
     if getattr(model, "kind", None) not in EXPORT_ORDER or cfg is None:
         raise ConfigError(f"cannot export a {type(model).__name__} to Hugging Face format "
-                          f"(export a Decoder, Encoder or EncoderDecoder; for a classifier, its .encoder)")
+                          f"(export a Decoder, Encoder, EncoderTokenClassifier or EncoderDecoder; for a classifier, "
+                          f"its .encoder)")
     reasons = []
     for family in EXPORT_ORDER[model.kind]:
         problems = family.fits(cfg)
@@ -155,12 +162,14 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
     state = {k: v.detach().cpu() for k, v in unique_state_dict(model).items()}
     if hasattr(family, "export_state"):          # Marian: an interleaved position table, re-based
         state = family.export_state(state, cfg)
-    state = keymap.to_hf(family.rules(cfg), state, cfg)
+    state = keymap.to_hf(_rules(family, model), state, cfg)
     if hasattr(family, "export_extra"):
         family.export_extra(state, cfg)
-    p = family.EXPORT_PREFIX
-    state = {(k if k in family.HEAD_KEYS else p + k): v.contiguous() for k, v in state.items()}
-    hf_config = {**family.config_to_hf(cfg), "dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
+    extra, p, heads = (family.export_for(model) if hasattr(family, "export_for")
+                       else ({}, family.EXPORT_PREFIX, family.HEAD_KEYS))
+    state = {(k if k in heads else p + k): v.contiguous() for k, v in state.items()}
+    hf_config = {**family.config_to_hf(cfg), **extra,
+                 "dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")

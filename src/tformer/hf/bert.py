@@ -5,12 +5,19 @@ Not part of `Encoder`, so dropped on import (declared in IGNORED, never silently
 (tanh(dense(first token)), used by next-sentence pre-training) and the pre-training heads `cls.*`.
 On export no pooler is written: load with `BertModel.from_pretrained(dir, add_pooling_layer=False)`
 (plain `AutoModel` works too and initialises a fresh pooler, as it says in its warning).
+
+`BertForTokenClassification` (named entities: a linear `classifier` over every token's vector)
+is `EncoderTokenClassifier` both ways; its label names travel in config.json's id2label. Its
+`classifier_dropout` is not kept (training only: the tformer head drops out at the encoder's rate).
 """
 
 from __future__ import annotations
 
+from torch import nn
+
 from ..config import ModelConfig
-from ..models import Encoder
+from ..errors import ConfigError
+from ..models import Encoder, EncoderTokenClassifier
 from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
                      settings, token_id)
 
@@ -19,6 +26,8 @@ ARCHITECTURE = "BertModel"
 PREFIX = "bert."                       # BertFor* files nest the encoder under bert.; BertModel has none
 EXPORT_PREFIX = ""
 HEAD_KEYS = ()
+TOKEN_CLASSIFIER = "BertForTokenClassification"
+TAGGER_HEAD = [Rule("head.weight", ("classifier.weight",)), Rule("head.bias", ("classifier.bias",))]
 IGNORED = {
     r"pooler\.dense\.(weight|bias)": "the pooler (tanh over the first token) is not part of Encoder",
     r"cls\..*": "pre-training heads (masked LM, next sentence) are not part of Encoder",
@@ -91,3 +100,45 @@ def rules(cfg: ModelConfig) -> list[Rule]:
 
 def copies(cfg: ModelConfig) -> list[tuple[str, ...]]:
     return []
+
+
+# --- BertForTokenClassification <-> EncoderTokenClassifier -------------------------------------------
+
+def build_for(hf: dict, cfg: ModelConfig) -> nn.Module:
+    """The model a config.json describes: a tagger for BertForTokenClassification, else the Encoder."""
+    if TOKEN_CLASSIFIER not in (hf.get("architectures") or []):
+        return build(cfg)
+    labels = labels_from_hf(hf)
+    return EncoderTokenClassifier(cfg, len(labels), labels)
+
+
+def rules_for(model: nn.Module) -> list[Rule]:
+    """The key map of `model`: the encoder's, nested under `encoder.` in a tagger, plus its head."""
+    if model.kind != "tagger":
+        return rules(model.cfg)
+    return [Rule("encoder." + r.ours, r.hf, r.transpose) for r in rules(model.cfg)] + TAGGER_HEAD
+
+
+def export_for(model: nn.Module) -> tuple[dict, str, tuple[str, ...]]:
+    """(config.json additions, prefix of the encoder's tensors, head tensor names) for `model`."""
+    if model.kind != "tagger":
+        return {}, EXPORT_PREFIX, HEAD_KEYS
+    labels = model.labels or [f"LABEL_{i}" for i in range(model.num_labels)]
+    extra = dict(architectures=[TOKEN_CLASSIFIER], id2label={str(i): name for i, name in enumerate(labels)},
+                 label2id={name: i for i, name in enumerate(labels)})
+    return extra, PREFIX, tuple(hf for r in TAGGER_HEAD for hf in r.hf)
+
+
+def labels_from_hf(hf: dict) -> list[str]:
+    """Label names in id order from id2label (keys are strings in config.json), else LABEL_i."""
+    id2label = hf.get("id2label")
+    if not id2label:
+        n = hf.get("num_labels", 2)
+        return [f"LABEL_{i}" for i in range(n)]
+    try:
+        ids = sorted(int(k) for k in id2label)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bert: id2label keys must be label ids (0, 1, ...), got {sorted(id2label)[:5]}") from None
+    if ids != list(range(len(ids))):
+        raise ConfigError(f"bert: id2label must number its labels 0..{len(ids) - 1}, got {ids[:10]}")
+    return [str(id2label.get(str(i), id2label.get(i))) for i in ids]

@@ -76,11 +76,11 @@ def is_tformer_checkpoint(path: Path) -> bool:
 
 
 def load_pretrained_encoder(init: str):
-    """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder or EncoderClassifier, whose
+    """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder, or a classifier or tagger, whose
     encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
     is the one saved with it: a pretrained encoder only understands its own token ids."""
     from ..checkpoint import load
-    from ..models import Encoder, EncoderClassifier
+    from ..models import Encoder
     from ..tokenizers import Tokenizer, load_tokenizer
 
     path = Path(init)
@@ -100,10 +100,10 @@ def load_pretrained_encoder(init: str):
             raise CheckpointError(f"--init {init} has no tokenizer.json (the pretrained encoder needs its "
                                   "own tokenizer)")
         tokenizer = Tokenizer.from_file(path / "tokenizer.json")
-    if isinstance(model, EncoderClassifier):
+    if model.kind in ("classifier", "tagger"):  # a fine-tuned encoder: start from its encoder
         model = model.encoder
     if not isinstance(model, Encoder):
-        raise CheckpointError(f"--init {init} holds a {type(model).__name__}; classification needs an encoder "
+        raise CheckpointError(f"--init {init} holds a {type(model).__name__}; fine-tuning needs an encoder "
                               "(BERT family)")
     return model, tokenizer
 

@@ -1,0 +1,313 @@
+"""Token tagging (named-entity recognition) with an EncoderTokenClassifier: every word gets one
+IOB2 label (O, B-TYPE, I-TYPE), on the built-in wnut16 tweets or a user's CoNLL file. Implements
+the tformer.train.Task protocol.
+
+Sub-word alignment: a sentence is tokenized word by word, and only the first piece of each word
+carries its label; the other pieces (and [bos]/[eos]) are ignored by the loss, and at prediction
+time a word takes the label predicted at its first piece.
+
+    words     Ed        Miliband          's
+    pieces    [CLS] ed  mil ##iba ##nd    ' s   [SEP]
+    target    -     B   I   -     -       O -   -          (- = ignored)
+
+A word that falls past --max-len tokens (or yields no piece at all) is predicted O, and still
+counts in the scores: the model is scored on every word of the held-out sentences.
+Scores are entity-level (seqeval, conlleval rules): an entity counts when its type and both ends
+are right. The held-out split is a seeded random share of the sentences; `meta()` records how to
+rebuild it, so `tformer eval --model RUN` scores the sentences the run never trained on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import corpora, metrics
+from ..data import split_rows, step_generator
+from ..errors import ConfigError, DataError
+from ..models import EncoderTokenClassifier
+from ..tokenizers import Tokenizer, check_text, make_tokenizer
+from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
+                     model_config, pad, warn)
+
+# The default shape (when --preset is not given): as for classification, the 2-layer, width-128 BERT;
+# 2,400 tweets are too few for more.
+DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, d_ff=512, max_seq_len=128, dropout=0.1)
+DEFAULT_VOCAB = 8000
+DEFAULT_MAX_LEN = 128
+IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
+
+# How `tformer tag` cuts a text into words: runs that start with a letter, digit, @ or # and end with
+# a letter, digit or / (so "Paris," is "Paris" + ",", while @names, #tags and URLs stay whole), and
+# runs of other punctuation.
+WORD = re.compile(r"[\w@#]\S*[\w/]|[\w@#]|[^\w\s]+")
+
+
+def load_data(data: str | None, errors: str = "strict") -> corpora.TaggedSentences:
+    """The built-in corpus by name, or the user's CoNLL file."""
+    if data in (None, "wnut16"):
+        return corpora.wnut16()
+    return corpora.read_conll(data, errors)
+
+
+def split(data: corpora.TaggedSentences, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the training and held-out sentences (a seeded permutation; the same for eval)."""
+    return split_rows(list(range(len(data.words))), val_fraction, seed)
+
+
+def select(data: corpora.TaggedSentences, rows: list[int]) -> corpora.TaggedSentences:
+    """The sentences `rows` of `data` (with their line numbers)."""
+    return corpora.TaggedSentences([data.words[i] for i in rows], [data.labels[i] for i in rows], data.name,
+                                   [data.lines[i] for i in rows])
+
+
+def label_set(labels: list[list[str]]) -> list[str]:
+    """The labels of the data, O first (id 0, as in Hugging Face's NER models), then sorted."""
+    names = {t for sentence in labels for t in sentence}
+    return sorted(names, key=lambda name: (name != "O", name))
+
+
+def split_words(text: str) -> list[str]:
+    return WORD.findall(text)
+
+
+def encode_words(tokenizer: Tokenizer, sentences: list[list[str]],
+                 max_len: int) -> tuple[list[list[int]], list[list[int | None]], int]:
+    """[bos] + the words' pieces + [eos], cut to max_len, and for each word the position of its first
+    piece (None: the word has no piece, or it was cut off). Returns also how many sentences were cut."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    room = max_len - len(bos) - len(eos)
+    seqs, firsts, cut = [], [], 0
+    try:
+        encodings = tokenizer.hf.encode_batch(sentences, is_pretokenized=True, add_special_tokens=False)
+    except TypeError:  # text that is not UTF-8 (stdin, arguments): say which byte
+        for words in sentences:
+            check_text(" ".join(words))
+        raise
+    for words, enc in zip(sentences, encodings):
+        word_ids = enc.word_ids[:room]
+        cut += len(enc.ids) > room
+        first: list[int | None] = [None] * len(words)
+        for j, w in enumerate(word_ids):
+            if w is not None and (j == 0 or word_ids[j - 1] != w):
+                first[w] = len(bos) + j
+        seqs.append(bos + enc.ids[:room] + eos)
+        firsts.append(first)
+    return seqs, firsts, cut
+
+
+def targets(first: list[int | None], label_ids: list[int], length: int) -> list[int]:
+    """Per-position targets: the word's label at its first piece, IGNORE everywhere else."""
+    out = [IGNORE] * length
+    for position, label in zip(first, label_ids):
+        if position is not None:
+            out[position] = label
+    return out
+
+
+@torch.no_grad()
+def word_logits(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]], max_len: int,
+                batch_size: int = 64) -> list[tuple[Tensor, list[int]]]:
+    """For each sentence: the label logits (K, num_labels) at the first pieces of the K words that
+    have one, and which words those are."""
+    seqs, firsts, _ = encode_words(tokenizer, sentences, max_len)
+    device = next(model.parameters()).device
+    out: list[tuple[Tensor, list[int]]] = [None] * len(seqs)  # type: ignore[list-item]
+    for rows in length_batches([len(s) for s in seqs], batch_size):
+        ids, mask = pad([seqs[i] for i in rows], tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+        logits = model(ids.to(device), mask.to(device)).float().cpu()          # (B, T, num_labels)
+        for b, i in enumerate(rows):
+            covered = [w for w, p in enumerate(firsts[i]) if p is not None]
+            out[i] = (logits[b, [firsts[i][w] for w in covered]], covered)
+    return out
+
+
+def label_names(model: EncoderTokenClassifier) -> list[str]:
+    return model.labels or [str(i) for i in range(model.num_labels)]
+
+
+def decode(sentences: list[list[str]], per_sentence: list[tuple[Tensor, list[int]]], names: list[str]) -> list[list[str]]:
+    """One label per word, the best at its first piece; words past max_len (or without a piece) get O."""
+    out = []
+    for words, (logits, covered) in zip(sentences, per_sentence):
+        tags = ["O"] * len(words)
+        for w, k in zip(covered, logits.argmax(-1).tolist()):
+            tags[w] = names[k]
+        out.append(tags)
+    return out
+
+
+def predict_tags(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]], max_len: int,
+                 batch_size: int = 64) -> list[list[str]]:
+    return decode(sentences, word_logits(model, tokenizer, sentences, max_len, batch_size), label_names(model))
+
+
+def score(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]],
+          labels: list[list[str]], max_len: int) -> dict[str, Any]:
+    """Loss (over the words the model sees) and entity precision / recall / F1 (over every word)."""
+    names = label_names(model)
+    index = {name: i for i, name in enumerate(names)}
+    per_sentence = word_logits(model, tokenizer, sentences, max_len)
+    logits = torch.cat([lg for lg, _ in per_sentence])                           # (words seen, num_labels)
+    gold = torch.tensor([index[labels[i][w]] for i, (_, covered) in enumerate(per_sentence) for w in covered])
+    loss = F.cross_entropy(logits, gold).item() if len(gold) else float("nan")
+    predicted = decode(sentences, per_sentence, names)
+    return {"val_loss": loss, **metrics.entity_scores(predicted, labels), "predicted": predicted}
+
+
+def check_labels(data: corpora.TaggedSentences, known: list[str], source: str) -> None:
+    """Every label of `data` must be one the model was trained with: name the first line that isn't."""
+    allowed = set(known)
+    for sentence, lines in zip(data.labels, data.lines):
+        for label, line in zip(sentence, lines):
+            if label not in allowed:
+                raise DataError(f"{source}:{line}: label {label!r} was not in the model's training data "
+                                f"(it knows {', '.join(known)})")
+
+
+def entity_spans(tags: list[str]) -> list[tuple[int, int, str]]:
+    """(start, end, type) of each entity, end exclusive, by the conlleval rules that seqeval's default
+    mode follows: an entity starts at B-X, or at an I-X that does not continue an X."""
+    spans: list[tuple[int, int, str]] = []
+    for i, tag in enumerate(tags):
+        kind, _, type_ = tag.partition("-")
+        continues = kind == "I" and spans and spans[-1][1] == i and spans[-1][2] == type_
+        if continues:
+            spans[-1] = (spans[-1][0], i + 1, type_)
+        elif kind in ("B", "I"):
+            spans.append((i, i + 1, type_))
+    return spans
+
+
+def format_entities(words: list[str], tags: list[str]) -> str:
+    """The words with each entity bracketed and typed: "[Ed Miliband](person) 's odds"."""
+    starts = {start: (end, type_) for start, end, type_ in entity_spans(tags)}
+    out, i = [], 0
+    while i < len(words):
+        if i in starts:
+            end, type_ = starts[i]
+            out.append(f"[{' '.join(words[i:end])}]({type_})")
+            i = end
+        else:
+            out.append(words[i])
+            i += 1
+    return " ".join(out)
+
+
+class TagTask:
+    name = "tag"
+    default_data = "wnut16"
+    default_preset = None  # DEFAULT_MODEL
+    keep_best = True       # 2,400 sentences overfit within minutes: keep the best held-out F1 (RUN/best/)
+    best_metric = ("val_f1", "max")
+    # Cased WordPiece trained on the data (`--tokenizer wordpiece` means cased here): capitals are the
+    # strongest cue for a name.
+    default_tokenizer = "wordpiece"
+    default_vocab_size = DEFAULT_VOCAB
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        from ..cli.args import positive_int
+
+        g = parser.add_argument_group("token tagging (--task tag)")
+        g.add_argument("--max-len", type=positive_int, default=None,
+                       help=f"tokens per sentence incl. [bos]/[eos]; words past it are predicted O "
+                            f"(default: {DEFAULT_MAX_LEN})")
+
+    def __init__(self, args, tokenizer=None, init: str | None = None):
+        if importlib.util.find_spec("seqeval") is None:
+            raise ConfigError("--task tag scores entities with seqeval, which is not installed (pip install seqeval)")
+        self.args = args
+        self.seed = arg(args, "seed", 0)
+        self.val_fraction = arg(args, "val_fraction", 0.1)
+        self.data_name = arg(args, "data", "wnut16")
+        data = load_data(self.data_name, errors=arg(args, "errors", "strict"))
+        # Labels of both splits: a type seen only in held-out sentences is still one to predict.
+        self.label_names = label_set(data.labels)
+        if len(self.label_names) < 2:
+            raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); tagging needs two or more")
+        label_id = {name: i for i, name in enumerate(self.label_names)}
+        train_idx, val_idx = split(data, self.val_fraction, self.seed)
+        self.init = init if init is not None else arg(args, "init")  # on --resume the CLI passes init=None
+        self.pretrained = None
+        if init is not None and tokenizer is None:
+            self.pretrained, tokenizer = load_pretrained_encoder(init)
+        if tokenizer is None:
+            tokenizer = self._train_tokenizer([" ".join(data.words[i]) for i in train_idx])
+        self.tokenizer = tokenizer
+        if tokenizer.pad_id is None:
+            raise DataError("the tokenizer has no padding token (<pad> or [PAD]); tagging pads batches")
+        limit = self.pretrained.cfg.max_seq_len if self.pretrained is not None else None
+        self.max_len = min(arg(args, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
+        seqs, firsts, cut = encode_words(tokenizer, [data.words[i] for i in train_idx], self.max_len)
+        if cut:
+            warn(f"{cut} of {len(seqs)} training sentences are longer than --max-len {self.max_len} tokens and "
+                 "were truncated")
+        self.train_seqs = seqs
+        self.train_targets = [targets(first, [label_id[t] for t in data.labels[i]], len(seq))
+                              for seq, first, i in zip(seqs, firsts, train_idx)]
+        self.by_length = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        self.val_words = [data.words[i] for i in val_idx]
+        self.val_labels = [data.labels[i] for i in val_idx]
+
+    def _train_tokenizer(self, texts: list[str]) -> Tokenizer:
+        choice = arg(self.args, "tokenizer", "wordpiece")
+        vocab_size = arg(self.args, "vocab_size", DEFAULT_VOCAB)
+        if choice == "wordpiece":
+            return Tokenizer.train_wordpiece(texts, vocab_size, lowercase=False)
+        return make_tokenizer(choice, texts, vocab_size)
+
+    # --- the Task protocol ------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        n = len(self.label_names)
+        if self.init is not None:
+            encoder = self.pretrained
+            if encoder is None:  # resuming: the tokenizer came from the run, the weights from --init
+                encoder, _ = load_pretrained_encoder(self.init)
+            model = EncoderTokenClassifier(encoder.cfg.replace(**dropout_overrides(self.args)), n, self.label_names)
+            model.encoder.load_state_dict(encoder.state_dict())
+            return model
+        cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
+                           pad_token_id=self.tokenizer.pad_id)
+        return EncoderTokenClassifier(cfg, n, self.label_names)
+
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        g = step_generator(self.seed, step)
+        rows = length_grouped_rows(self.by_length, arg(self.args, "batch_size", 32), g)
+        ids, mask = pad([self.train_seqs[i] for i in rows], self.tokenizer.pad_id)
+        labels, _ = pad([self.train_targets[i] for i in rows], IGNORE)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def loss(self, model, batch: dict[str, Tensor]) -> Tensor:
+        logits = model(batch["input_ids"], batch["attention_mask"])             # (B, T, num_labels)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    def evaluate(self, model) -> dict[str, float]:
+        s = score(model, self.tokenizer, self.val_words, self.val_labels, self.max_len)
+        return {"val_loss": s["val_loss"], "val_f1": s["f1"], "val_precision": s["precision"],
+                "val_recall": s["recall"]}
+
+    def sample(self, model) -> str:
+        words = self.val_words[:2]
+        return "  |  ".join(format_entities(w, t)
+                            for w, t in zip(words, predict_tags(model, self.tokenizer, words, self.max_len)))
+
+    def meta(self) -> dict[str, Any]:
+        return {"labels": self.label_names, "max_len": self.max_len, "init": self.init,
+                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed}}
+
+    def report(self, model, out_dir=None) -> str:
+        """The final held-out report: entity precision / recall / F1, overall and per type."""
+        s = score(model, self.tokenizer, self.val_words, self.val_labels, self.max_len)
+        return (f"held-out ({len(self.val_words)} sentences): entity precision {s['precision']:.4f}  "
+                f"recall {s['recall']:.4f}  F1 {s['f1']:.4f}\n"
+                + metrics.entity_report(s["predicted"], self.val_labels))
