@@ -115,7 +115,7 @@ class Job:
         loop = asyncio.get_running_loop()
         sink = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)  # noqa: E731
         served = state.served
-        self.seqs = [Sequence(i, prompt, s, served.tokenizer, served.eos, sink, source, served.device)
+        self.seqs = [Sequence(i, prompt, s, served.output, served.eos, sink, source, served.device)
                      for i, prompt, s, source in seqs_args]
 
     def submit(self) -> None:

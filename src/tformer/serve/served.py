@@ -26,6 +26,18 @@ class InputError(ValueError):
         self.param = param
 
 
+class OutputText:
+    """Decodes generated tokens as OpenAI-style servers do: without special tokens of any kind (a
+    chat model's "<|start|>" too, not only the pad/BOS/EOS that tformer's Tokenizer.decode drops)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        ids = [i for i in ids if i not in self.tokenizer.special_ids]
+        return self.tokenizer.hf.decode(ids, skip_special_tokens=True)
+
+
 class Served:
     def __init__(self, path: str, name: str | None = None, device: str | None = None):
         directory = resolve(path)
@@ -36,6 +48,7 @@ class Served:
         self.context = cfg.max_seq_len
         self.tokenizer = load_tokenizer(directory)
         self.source_tokenizer = load_source_tokenizer(directory) or self.tokenizer
+        self.output = OutputText(self.tokenizer)
         self.chat: ChatTemplate | None = find_chat_template(directory)
         meta = read_config(directory).get("meta", {})
         self.labels = None
