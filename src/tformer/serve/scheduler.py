@@ -104,7 +104,15 @@ class Sequence:
         processed = process_logits(logits, self.seen, do_sample=s.temperature > 0, temperature=s.temperature,
                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                    repetition_penalty=s.repetition_penalty)
-        token = int(greedy(processed) if s.temperature == 0 else sample(processed, self.generator))
+        # Extreme settings (temperature 1e-300, penalty 1e-300) overflow to inf: their limit is the
+        # largest logits, so inf becomes the largest float and a NaN can never be drawn.
+        big = torch.finfo(processed.dtype).max
+        processed = torch.nan_to_num(processed, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+        finite = bool(torch.isfinite(processed).any())
+        if s.temperature == 0 or not finite:
+            token = int(greedy(processed if finite else logits))
+        else:
+            token = int(sample(processed, self.generator))
         if self.seen is not None:
             self.seen[0, token] = True
         return token
