@@ -113,7 +113,13 @@ class Job:
     def __init__(self, state: State, seqs_args: list[tuple[int, list[int], Sampling, list[int] | None]]):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
-        sink = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)  # noqa: E731
+
+        def sink(event: Event) -> None:        # called on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            except RuntimeError:                 # the event loop has closed: nobody is listening
+                pass
+
         served = state.served
         self.seqs = [Sequence(i, prompt, s, served.output, served.eos, sink, source, served.device)
                      for i, prompt, s, source in seqs_args]
