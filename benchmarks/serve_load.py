@@ -1,7 +1,7 @@
 """Load test of `tformer serve` on loopback (a benchmark, not a test).
 
     .venv/bin/python benchmarks/serve_load.py                       # 16 clients, 64 requests, then one at a time
-    .venv/bin/python benchmarks/serve_load.py --soak 600            # + 10 minutes at 16 clients: server memory
+    .venv/bin/python benchmarks/serve_load.py --soak 600 --soak-only  # 10 minutes at 16 clients: server memory
     .venv/bin/python benchmarks/serve_load.py --device cuda         # the server's model on a GPU
 
 A random GPT-2-small-shaped decoder (124M parameters, fp32) with a word-level tokenizer of the
@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--sequential", type=int, default=None, help="requests served one at a time (default: all)")
     ap.add_argument("--soak", type=float, default=0, help="then seconds of continuous load, watching memory")
     ap.add_argument("--warmup", type=float, default=60, help="soak seconds before the memory baseline")
+    ap.add_argument("--soak-only", action="store_true", help="skip the concurrent and one-at-a-time phases")
     ap.add_argument("--device", default=None, help="the server's --device (default: the CPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -214,12 +215,13 @@ def main() -> None:
                   f"torch threads {os.cpu_count()} cores; prompts {args.min_prompt}-{args.max_prompt} tokens, "
                   f"{args.max_tokens} new tokens each")
             one_request(base, prompts[0], 4)                                   # warm-up
-            results, wall = run_phase(base, prompts, args.max_tokens, args.clients, args.time_limit)
-            concurrent = report(f"{args.clients} concurrent clients", results, wall)
-            n_seq = args.sequential or len(prompts)
-            results, wall = run_phase(base, prompts[:n_seq], args.max_tokens, 1, args.time_limit)
-            sequential = report("one at a time", results, wall)
-            print(f"throughput ratio, concurrent / one at a time: {concurrent / sequential:.1f}x")
+            if not args.soak_only:
+                results, wall = run_phase(base, prompts, args.max_tokens, args.clients, args.time_limit)
+                concurrent = report(f"{args.clients} concurrent clients", results, wall)
+                n_seq = args.sequential or len(prompts)
+                results, wall = run_phase(base, prompts[:n_seq], args.max_tokens, 1, args.time_limit)
+                sequential = report("one at a time", results, wall)
+                print(f"throughput ratio, concurrent / one at a time: {concurrent / sequential:.1f}x")
             if args.soak:
                 soak(base, proc.pid, prompts, args.max_tokens, args.clients, args.soak, args.warmup)
         finally:

@@ -27,7 +27,7 @@ def error_of(r, status: int) -> dict:
 
 
 def test_bad_requests_get_openai_errors(decoder, tmp_path):
-    with serving(decoder, max_batch=1, max_queue=2, max_body_bytes=4000) as (base, _):
+    with serving(decoder, max_batch=1, max_queue=2, max_body_bytes=4000) as (base, app):
         url = f"{base}/v1/completions"
         post = lambda body: httpx.post(url, json=body)                                     # noqa: E731
         error_of(httpx.post(url, content=b'{"model": "dec", "prompt": ', headers={"content-type": "application/json"}),
@@ -47,6 +47,10 @@ def test_bad_requests_get_openai_errors(decoder, tmp_path):
         # 2 prompts x 2 choices = 4 sequences, more than --max-queue 2 can hold
         r = post({"model": "dec", "prompt": ["a", "b"], "n": 2})
         assert error_of(r, 429)["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        app.state.tformer.draining = True                                  # as after SIGTERM
+        r = post({"model": "dec", "prompt": "a"})
+        assert error_of(r, 503)["code"] == "unavailable" and r.headers["retry-after"] == "1"
+        assert httpx.get(f"{base}/health").status_code == 503
 
 
 def test_api_key_is_required_when_set(decoder):

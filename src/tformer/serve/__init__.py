@@ -5,7 +5,10 @@
     served.py     the checkpoint, its tokenizers and chat template, the encoders' one-shot work
     chat.py       chat templates, rendered in Jinja's sandbox
     schemas.py    request bodies (OpenAI's fields + tformer's sampling fields)
-    app.py        the FastAPI app: routes, errors, API key, body limit, metrics
+    app.py        the FastAPI app: routes, the handlers' side of the scheduler
+    responses.py  OpenAI's response bodies and stream chunks
+    errors.py     OpenAI-shaped errors for every failure
+    guard.py      middleware: API key, body limit, starting / draining, requests metric
     metrics.py    Prometheus metrics
 
 Needs the `serve` extra (fastapi, uvicorn, prometheus-client): pip install 'tformer[serve]'.

@@ -13,26 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import json
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 
-from ..errors import TformerError
+from .errors import RETRY_AFTER, ApiError, add_error_handlers
+from .guard import Guard
 from .metrics import Metrics
+from .responses import ChatFormat, CompletionFormat
 from .scheduler import Event, QueueFull, Sampling, Scheduler, Sequence
 from .schemas import MAX_INPUTS, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, Sampled
-from .served import InputError, Served
-
-RETRY_AFTER = "1"           # seconds a client should wait after 429 / 503
+from .served import Served
 GENERATES = ("decoder", "encoder-decoder")
 
 
@@ -43,20 +38,6 @@ class Options:
     api_key: str | None = None          # required as "Authorization: Bearer KEY" on /v1/* when set
     max_body_bytes: int = 1 << 20       # larger request bodies get 413
     prefill_tokens: int = 256           # prompt tokens fed per scheduler iteration (bounds a step's latency)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class State:
@@ -287,197 +268,3 @@ async def sse(job: Job, fmt, include_usage: bool):
     yield "data: [DONE]\n\n"
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-class CompletionFormat:
-    """Bodies of /v1/completions: object "text_completion", choices with text (and logprobs)."""
-
-    def __init__(self, model: str, n: int, echo: list[str], prompt_tokens: int):
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        self.model, self.n, self.echo, self.prompt_tokens = model, n, echo, prompt_tokens
-        self.offsets: dict[int, int] = {}
-
-    def _body(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _logprobs(self, index: int, tokens) -> dict | None:
-        if not tokens:
-            return None
-        offsets, at = [], self.offsets.get(index, len(self.echo[index // self.n]))
-        for t in tokens:
-            offsets.append(at)
-            at += len(t.text)
-        self.offsets[index] = at
-        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
-
-    def first_chunks(self) -> list[dict]:
-        return [self._body([{"index": i, "text": e, "logprobs": None, "finish_reason": None}])
-                for i in range(len(self.echo) * self.n) if (e := self.echo[i // self.n])]
-
-    def chunk(self, event: Event) -> dict:
-        return self._body([{"index": event.index, "text": event.text,
-                            "logprobs": self._logprobs(event.index, event.tokens),
-                            "finish_reason": event.finish_reason}])
-
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._body([]), "usage": usage(self.prompt_tokens, completion_tokens)}
-
-    def response(self, choices, completion_tokens: int) -> dict:
-        return {**self._body([{"index": i, "text": self.echo[i // self.n] + text,
-                               "logprobs": self._logprobs(i, tokens) if tokens else None, "finish_reason": reason}
-                              for i, text, tokens, reason in choices]),
-                "usage": usage(self.prompt_tokens, completion_tokens)}
-
-
-class ChatFormat:
-    """Bodies of /v1/chat/completions: messages and deltas from the assistant."""
-
-    def __init__(self, model: str, prompt_tokens: int):
-        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.model, self.prompt_tokens = model, prompt_tokens
-        self.started: set[int] = set()
-
-    def _body(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    @staticmethod
-    def _logprobs(tokens) -> dict | None:
-        def entry(text: str, logprob: float) -> dict:
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        if not tokens:
-            return None
-        return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [entry(a, lp) for a, lp in t.top]}
-                            for t in tokens]}
-
-    def first_chunks(self) -> list[dict]:
-        return []
-
-    def chunk(self, event: Event) -> dict:
-        delta = {"content": event.text} if event.text else {}
-        if event.index not in self.started:
-            self.started.add(event.index)
-            delta = {"role": "assistant", **delta, "content": event.text}
-        return self._body([{"index": event.index, "delta": delta, "logprobs": self._logprobs(event.tokens),
-                            "finish_reason": event.finish_reason}])
-
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._body([]), "usage": usage(self.prompt_tokens, completion_tokens)}
-
-    def response(self, choices, completion_tokens: int) -> dict:
-        return {**self._body([{"index": i, "message": {"role": "assistant", "content": text},
-                               "logprobs": self._logprobs(tokens), "finish_reason": reason}
-                              for i, text, tokens, reason in choices], "chat.completion"),
-                "usage": usage(self.prompt_tokens, completion_tokens)}
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
-
-    @app.exception_handler(InputError)
-    async def input_error(request, e: InputError):
-        return error_response(400, str(e), param=e.param, code="invalid_value")
-
-    @app.exception_handler(TformerError)
-    async def tformer_error(request, e: TformerError):
-        return error_response(400, str(e), code="invalid_value")
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        where = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid" or not where and first.get("type") == "model_attributes_type":
-            return error_response(400, f"the body is not a valid JSON object: {first.get('msg', '')}",
-                                  code="invalid_json")
-        param = where[0] if where else None      # the field (a union's member names follow it)
-        return error_response(422, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}", param=param,
-                              code="invalid_type")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return error_response(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
-                              headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        return error_response(500, f"internal error {type(e).__name__}: {e}", "server_error")
-
-
-class Guard:
-    """ASGI middleware in front of every route: the API key, the body size limit, not serving
-    while starting or draining, and the requests-by-status metric."""
-
-    ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify", "/v1/models",
-              "/health", "/metrics")
-
-    def __init__(self, app, state: State):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in self.ROUTES else "other"
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                self.state.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        refusal = self._refusal(scope)
-        if refusal is None and scope["method"] == "POST":
-            body, refusal = await self._read_body(receive)
-            if refusal is None:
-                receive = replay(body, receive)
-        if refusal is not None:
-            return await refusal(scope, receive, counted_send)
-        await self.app(scope, receive, counted_send)
-
-    def _refusal(self, scope) -> JSONResponse | None:
-        state, path = self.state, scope["path"]
-        if not path.startswith("/v1/"):
-            return None
-        key = state.options.api_key
-        if key is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
-                return error_response(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                      "authentication_error", code="invalid_api_key")
-        if not state.ready or (state.draining and scope["method"] == "POST"):
-            return error_response(503, "the server is shutting down" if state.draining else "the server is starting",
-                                  "server_error", code="unavailable", headers={"Retry-After": RETRY_AFTER})
-        return None
-
-    async def _read_body(self, receive) -> tuple[bytes, JSONResponse | None]:
-        limit, chunks, size = self.state.options.max_body_bytes, [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"", error_response(400, "the client went away")
-            size += len(message.get("body", b""))
-            if size > limit:
-                return b"", error_response(413, f"the request body is over {limit} bytes", code="body_too_large")
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return b"".join(chunks), None
-
-
-def replay(body: bytes, receive):
-    """A receive() that hands the app the body already read, then listens as usual (for disconnects)."""
-    sent = False
-
-    async def again():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
