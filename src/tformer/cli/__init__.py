@@ -33,6 +33,7 @@ COMMANDS = {
     "import-hf": "convert a Hugging Face checkpoint directory to tformer",
     "export-hf": "convert a tformer checkpoint to a Hugging Face directory",
     "bench": "benchmark tformer against Hugging Face and the machine's limits",
+    "serve": "serve a checkpoint over HTTP with OpenAI's API (continuous batching)",
 }
 
 

@@ -31,8 +31,11 @@ def run(args) -> int:
     model, dropped = convert_hf(src)
     tokenizer = load_hf_tokenizer(src)
     model_type = read_hf_config(src)["model_type"]
+    # the chat template (and the special tokens it writes) travel with the model, for `tformer serve`
+    extra = {name: (src / name).read_bytes() for name in ("tokenizer_config.json", "chat_template.jinja")
+             if (src / name).is_file()}
     save(model, dst, tokenizer=tokenizer, meta={"source": "huggingface", "hf_model_type": model_type,
-                                                "hf_dir": str(src.resolve())})
+                                                "hf_dir": str(src.resolve())}, extra_files=extra)
     for why in dict.fromkeys(dropped.values()):          # say what was left out, once per reason
         keys = [k for k, w in dropped.items() if w == why]
         print(f"note: not imported: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({why})",

@@ -1,0 +1,79 @@
+"""`tformer serve`: an OpenAI-compatible HTTP server for a checkpoint, with continuous batching.
+
+    tformer serve --model runs/shakespeare                       # http://127.0.0.1:8000/v1
+    TFORMER_API_KEY=secret tformer serve --model runs/gpt2 --host 0.0.0.0 --port 8080
+
+Endpoints: /v1/completions, /v1/chat/completions (models with a chat template), /v1/embeddings
+(encoders), /v1/classify (classifiers), /v1/models, /health, /metrics. SIGTERM stops taking
+requests, finishes the running ones (up to --grace seconds) and exits 0. See docs/SERVING.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+from tformer.cli import COMMANDS
+from tformer.cli.args import positive_int
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help=COMMANDS["serve"], description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="RUN", help="checkpoint or run directory to serve")
+    p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--max-batch", type=positive_int, default=16,
+                   help="sequences decoded together; sizes the KV-cache pool (default %(default)s)")
+    p.add_argument("--max-queue", type=positive_int, default=256,
+                   help="sequences waiting for a place in the batch; more get HTTP 429 (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("TFORMER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TFORMER_API_KEY, else none)")
+    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests may take to finish (default %(default)s)")
+    p.add_argument("--max-body", type=positive_int, default=1 << 20, metavar="BYTES",
+                   help="largest request body; larger ones get HTTP 413 (default %(default)s)")
+    p.add_argument("--device", default=None, help="torch device for the model (default: where it loads, the CPU)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tformer.errors import ConfigError
+
+    try:
+        import uvicorn
+
+        from tformer.serve import Options, Served, create_app
+    except ImportError as e:
+        raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
+            from None
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port} is not a port number (0-65535)")
+    served = Served(args.model, args.name, args.device)
+    app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body))
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+                          "(choose another --port or --host)") from None
+    host, port = sock.getsockname()[:2]
+    print(f"tformer serve: {served.name} ({served.kind}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    state = app.state.tformer
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """SIGTERM: stop taking requests, let the running ones finish, exit 0 (uvicorn would
+            re-raise the signal after shutting down, which exits 143)."""
+            state.draining = True
+            if sig == signal.SIGTERM:
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace, lifespan="on")
+    Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,63 @@
+"""Chat templates: the Jinja template a Hugging Face tokenizer carries (`chat_template` in its
+tokenizer_config.json, or chat_template.jinja) turns a list of messages into the prompt text the
+model was fine-tuned on. Templates come from model files, so they render in Jinja's immutable
+sandbox (as transformers does): they can format text, not reach Python objects.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt for `messages` ([{"role", "content"}, ...]), ending where the assistant's reply starts.
+        Raises ValueError when the template refuses the conversation (e.g. roles out of order)."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template refused the messages: {e}") from None
+
+
+def _raise(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _token_text(value) -> str:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+def find_chat_template(directory: Path) -> ChatTemplate | None:
+    """The chat template stored in a checkpoint directory (copied there by `tformer import-hf`), or None."""
+    config_file = directory / TOKENIZER_CONFIG
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    source = config.get("chat_template")
+    if isinstance(source, list):     # named templates: [{"name": "default", "template": ...}, ...]
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if (directory / TEMPLATE_FILE).is_file():
+        source = (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
+    if not isinstance(source, str) or not source:
+        return None
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))

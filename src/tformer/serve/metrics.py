@@ -1,0 +1,27 @@
+"""Prometheus metrics of one server (their own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("tformer_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.tokens_in = Counter("tformer_prompt_tokens", "prompt (and input) tokens read", registry=r)
+        self.tokens_out = Counter("tformer_generated_tokens", "tokens generated", registry=r)
+        self.queue = Gauge("tformer_queue_length", "sequences waiting for a slot in the running batch", registry=r)
+        self.batch = Gauge("tformer_running_batch_size", "sequences in the running batch", registry=r)
+        self.ttft = Histogram("tformer_time_to_first_token_seconds", "from arrival to the first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tformer_inter_token_latency_seconds", "between consecutive tokens of one sequence",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

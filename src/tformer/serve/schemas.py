@@ -1,0 +1,84 @@
+"""Request bodies, as OpenAI's (the official `openai` client sends these), plus tformer's own
+sampling fields. Pydantic checks the types and ranges; a violation answers 400 (malformed JSON) or
+422 (a wrong type or value) in OpenAI's error shape (app.py)."""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16                  # choices per prompt
+MAX_INPUTS = 256            # prompts, texts or messages per request
+MAX_STOPS = 4               # stop strings (OpenAI's limit)
+
+Stop = Union[str, list[str], None]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # clients send fields we do not use (user, metadata...)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Sampled(Body):
+    """Fields shared by completions and chat completions."""
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy (the most likely token each step)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = Field(None, description="stop when the text contains one of these (not returned)")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="the same seed gives the same text")
+    top_k: int | None = Field(None, ge=0, description="tformer: sample among the k most likely tokens (0/None: off)")
+    min_p: float | None = Field(None, ge=0, le=1, description="tformer: drop tokens below min_p x the top probability")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="tformer: >1 makes tokens already seen less likely")
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(Sampled):
+    prompt: Union[str, list[str]] = Field(..., description="text to continue (an encoder-decoder: the source text)")
+    max_tokens: int = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20, description="report the top-N tokens and their log-probabilities")
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(Sampled):
+    messages: list[Message] = Field(..., min_length=1, max_length=MAX_INPUTS)
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class EmbeddingRequest(Body):
+    model: str
+    input: Union[str, list[str]]
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class ClassifyRequest(Body):
+    model: str
+    input: Union[str, list[str]]
