@@ -194,3 +194,12 @@ def test_every_module_is_short():
     """~300 lines at most: a longer module is several (training's loop.py is the training side's to split)."""
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 300}
     assert long == {}
+
+
+def test_the_package_loads_its_public_names_on_first_use():
+    code = ("import sys, tformer; before = {m for m in sys.modules if m.startswith('tformer.')}; "
+            "names = [getattr(tformer, n) for n in tformer.__all__]; "
+            "print(sorted(before - {'tformer.' + m for m in ('attention', 'dropout', 'linear', 'masks', 'devices', "
+            "'errors')}), tformer.__version__, callable(tformer.attention), tformer.Decoder.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "0.1.0", "True", "tformer.models"]
