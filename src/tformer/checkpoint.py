@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, TformerError
-from .models import ARCHITECTURES, EncoderClassifier
+from .models import ARCHITECTURES
 from .runs import CONFIG, resolve
 
 FORMAT = "tformer"
@@ -114,9 +114,9 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
             files[name] = sha256(tmp / name)
         config: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
                                   "config": model.cfg.to_dict(), "files": files, "meta": meta or {}}
-        if isinstance(model, (EncoderClassifier, EncoderTokenClassifier)):
+        if model.kind in ("classifier", "tagger"):
             config["num_labels"], config["labels"] = model.num_labels, model.labels
-        if isinstance(model, EncoderClassifier):
+        if model.kind == "classifier":
             config["pooling"] = model.pooling
         write_json_atomic(tmp / CONFIG, config)
         replace_dir(tmp, path)
@@ -177,11 +177,11 @@ def build(data: dict[str, Any]) -> nn.Module:
     except KeyError:
         raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no 'config' section") from None
     cls = ARCHITECTURES[data["architecture"]]
-    if cls in (EncoderClassifier, EncoderTokenClassifier) and not isinstance(data.get("num_labels"), int):
+    if cls.kind in ("classifier", "tagger") and not isinstance(data.get("num_labels"), int):
         raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an {cls.__name__}")
-    if cls is EncoderClassifier:
+    if cls.kind == "classifier":
         return cls(cfg, data["num_labels"], data.get("labels"), data.get("pooling", "first"))
-    if cls is EncoderTokenClassifier:
+    if cls.kind == "tagger":
         return cls(cfg, data["num_labels"], data.get("labels"))
     return cls(cfg)
 
