@@ -90,6 +90,7 @@ def test_attention_dropout_follows_dropout_unless_set():
     (dict(kind="encoder-decoder", d_model=24, n_heads=4, n_decoder_heads=8, positional="rope"), "n_decoder_heads=8"),
     (dict(head_size=0), "head_size"),
     (dict(positional="relative", relative_buckets=2), "relative_buckets"),
+    (dict(positional="relative", relative_buckets=32, relative_max_distance=16), "relative_max_distance"),
     (dict(attention_scale="no"), "attention_scale"),
     (dict(output_scale=True), "output_scale"),
 ])

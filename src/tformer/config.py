@@ -146,6 +146,9 @@ class ModelConfig:
         if self.positional == "relative" and self.relative_buckets < 4:
             raise ConfigError(f"relative_buckets={self.relative_buckets} must be at least 4 (half exact, half "
                               f"log-spaced, per direction)")
+        if self.positional == "relative" and self.relative_max_distance <= self.relative_buckets // 2:
+            raise ConfigError(f"relative_max_distance={self.relative_max_distance} must exceed relative_buckets / 2 "
+                              f"(the distances with a bucket each; the log-spaced buckets cover the rest)")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
         for name in ("dropout", "attn_dropout", "ffn_dropout"):
