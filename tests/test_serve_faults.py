@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -125,8 +126,9 @@ def test_fuzzing_the_openapi_schema_never_gets_a_5xx(tmp_path):
                 if mode == schemathesis.GenerationMode.NEGATIVE and operation.method.upper() != "POST":
                     continue                                # nothing to get wrong in a bare GET
 
-                # FUZZ_EXAMPLES=500 fuzzes deeper (a few minutes)
-                @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+                # the same examples every run (CI never flakes); FUZZ_EXAMPLES=500 fuzzes deeper (minutes)
+                @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)), deadline=None, database=None,
+                          derandomize=True, suppress_health_check=list(HealthCheck))
                 @given(operation.as_strategy(generation_mode=mode))
                 def check(case):
                     if case.body is not None and isinstance(case.body, dict) and "model" in case.body:
@@ -135,3 +137,17 @@ def test_fuzzing_the_openapi_schema_never_gets_a_5xx(tmp_path):
                     assert r.status_code < 500, (case.method, case.path, case.body, r.status_code, r.text)
 
                 check()
+
+
+def test_cli_bad_model_or_port_is_a_one_line_error(decoder, tmp_path, capsys):
+    from tformer.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--model", str(decoder), "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen on 127.0.0.1:") and err.count("\n") == 1

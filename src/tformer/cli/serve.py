@@ -17,7 +17,9 @@ import socket
 import sys
 
 from tformer.cli import COMMANDS
-from tformer.cli.args import positive_int
+from tformer.cli.args import nonneg_float, number, positive_int
+
+port = number(int, 0, 65535, what="a port number")
 
 
 def register(sub) -> None:
@@ -26,14 +28,14 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, metavar="RUN", help="checkpoint or run directory to serve")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--port", type=port, default=8000, help="port (default %(default)s; 0 picks a free one)")
     p.add_argument("--max-batch", type=positive_int, default=16,
                    help="sequences decoded together; sizes the KV-cache pool (default %(default)s)")
     p.add_argument("--max-queue", type=positive_int, default=256,
                    help="sequences waiting for a place in the batch; more get HTTP 429 (default %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("TFORMER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TFORMER_API_KEY, else none)")
-    p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--grace", type=nonneg_float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish (default %(default)s)")
     p.add_argument("--max-body", type=positive_int, default=1 << 20, metavar="BYTES",
                    help="largest request body; larger ones get HTTP 413 (default %(default)s)")
@@ -51,8 +53,6 @@ def run(args) -> int:
     except ImportError as e:
         raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
             from None
-    if not 0 <= args.port < 65536:
-        raise ConfigError(f"--port {args.port} is not a port number (0-65535)")
     served = Served(args.model, args.name, args.device)
     app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body))
     try:
@@ -75,5 +75,8 @@ def run(args) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.grace, lifespan="on")
-    Server(config).run(sockets=[sock])
+    server = Server(config)
+    server.run(sockets=[sock])
+    if not server.started:      # start-up failed (uvicorn printed why): e.g. no memory for the KV-cache pool
+        raise ConfigError("the server did not start (see above; out of memory? lower --max-batch)")
     return 0

@@ -71,8 +71,8 @@ class State:
             raise ApiError(404, f"The model {model!r} does not exist (this server serves {self.served.name!r})",
                            param="model", code="model_not_found")
         if self.served.kind not in kinds:
-            raise ApiError(400, f"{what} needs a {' or '.join(kinds)} checkpoint; {self.served.name!r} is a "
-                                f"{self.served.kind}", param="model", code="model_not_supported")
+            raise ApiError(400, f"{what} serves {' and '.join(kinds)} checkpoints; {self.served.name!r} is of kind "
+                                f"{self.served.kind!r}", param="model", code="model_not_supported")
 
     async def on_encoder(self, fn, *args):
         """Run fn on the encoder thread, at most max_queue requests queued."""

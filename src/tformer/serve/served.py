@@ -9,13 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import load, read_config, resolve
-from ..models import mean_tokens
+from ..models import POOLINGS
 from ..tasks.classify import encode_texts, predict_proba
 from ..tasks.common import length_batches, pad
 from ..tokenizers import load_source_tokenizer, load_tokenizer
 from .chat import ChatTemplate, find_chat_template
 
 ENCODER_BATCH = 32          # texts per forward pass of an encoder
+mean_tokens = POOLINGS["mean"]  # the pooling sentence-transformers models were trained with
 
 
 class InputError(ValueError):
