@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import load, read_config, resolve
-from ..models import POOLINGS
+from ..errors import ConfigError
+from ..generation.settings import eos_ids
+from ..pooling import POOLINGS
 from ..tasks.classify import encode_texts, predict_proba
 from ..tasks.common import length_batches, pad
 from ..tokenizers import load_source_tokenizer, load_tokenizer
@@ -56,11 +58,11 @@ class Served:
         if self.kind == "classifier":
             self.labels = self.model.labels or meta.get("labels") or [str(i) for i in range(self.model.num_labels)]
             self.context = min(int(meta.get("max_len", self.context)), self.context)
-        eos = cfg.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        # the first decoder input of an encoder-decoder, by the same rule as tformer.generation
-        self.start = next((t for t in (cfg.decoder_start_token_id, cfg.bos_token_id, cfg.pad_token_id)
-                           if t is not None), None)
+        self.eos = set(eos_ids(self.model))                   # the rule generate() follows
+        try:                                                 # the first decoder input of an encoder-decoder
+            self.start = cfg.decoder_start()
+        except ConfigError:
+            self.start = None                                # each completion request answers 400
         self._special_reader = None
 
     @property
