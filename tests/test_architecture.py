@@ -1,6 +1,6 @@
 """The layers of src/tformer, checked: who may import whom, no import cycles, no borrowed private names.
 
-    model core (config, masks, attention, positional, linear, layers, embeddings, pooling, models,
+    model core (config, masks, attention, positional, linear, layers, embeddings, pooling, models, heads,
                 dropout, quant; below them: errors, devices)
       -> generation -> tasks / training -> cli
 
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
-CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "layers", "embeddings", "pooling", "models",
+CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "layers", "embeddings", "pooling", "models", "heads",
                 "dropout", "quant"]
 CORE = {f"tformer.{m}" for m in CORE_MODULES + ["errors", "devices"]} | {"tformer"}
 

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "ModelConfig": "config", "PRESETS": "config", "preset": "config",
-    "Encoder": "models", "EncoderClassifier": "models", "EncoderTokenClassifier": "models", "Decoder": "models", "EncoderDecoder": "models",
+    "Encoder": "models", "EncoderClassifier": "heads", "EncoderTokenClassifier": "heads", "Decoder": "models", "EncoderDecoder": "models",
     "save": "checkpoint", "load": "checkpoint",
     "from_hf": "hf", "to_hf": "hf",  # need only torch + safetensors; transformers is never imported
     "TformerError": "errors", "ConfigError": "errors", "CheckpointError": "errors", "DataError": "errors",

@@ -22,12 +22,16 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, TformerError
-from .models import ARCHITECTURES
+from .heads import EncoderClassifier, EncoderTokenClassifier
+from .models import Decoder, Encoder, EncoderDecoder
 from .runs import CONFIG, resolve
 
 FORMAT = "tformer"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
+# Every model class by name: what a checkpoint's "architecture" field names.
+ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (
+    Encoder, EncoderClassifier, EncoderTokenClassifier, Decoder, EncoderDecoder)}
 TOKENIZER = "tokenizer.json"
 SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
 

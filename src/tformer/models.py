@@ -1,12 +1,11 @@
 """The three Transformer families of the seeds, built from the blocks in layers.py.
 
     Encoder (BERT):            tokens -> embeddings -> N x [self-attention, FFN] -> contextual vectors
-    EncoderClassifier:         Encoder -> first token's vector -> dropout -> linear -> label logits
-    EncoderTokenClassifier:    Encoder -> every token's vector -> dropout -> linear -> label logits per token
     Decoder (GPT):             tokens -> embeddings -> N x [causal self-attention, FFN] -> logits over vocab
     EncoderDecoder (2017, T5): source -> Encoder -> memory; target -> N x [causal self-attn,
                                attention to memory, FFN] -> logits over vocab
 
+An encoder with a task head on top (EncoderClassifier, EncoderTokenClassifier) is in heads.py.
 Shapes: B batch, T (target) length, S source length, D d_model, V vocab size.
 Models never pick a device or dtype: move them with .to(...) from outside.
 """
@@ -26,7 +25,6 @@ from .embeddings import Embeddings
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .masks import Packing, combine, padding_mask, self_attention_mask
-from .pooling import POOLINGS
 from .positional import RelativePositionBias, RotaryEmbedding
 
 
@@ -99,66 +97,6 @@ class Encoder(nn.Module):
         elif attention_mask is not None:
             x = x.masked_fill(~attention_mask.bool()[..., None], 0.0)           # the same 0s without packing
         return (x, attentions) if return_attention else x
-
-
-class EncoderClassifier(nn.Module):
-    """Sequence classification as in BERT: the first token's vector -> dropout -> linear -> logits.
-    (Softmax turns the logits into label probabilities; the loss applies it internally.)
-    pooling="mean" averages the token vectors instead (for encoders pretrained that way)."""
-
-    kind = "classifier"
-    is_encoder_decoder = False
-
-    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None, pooling: str = "first"):
-        super().__init__()
-        if num_labels < 2:
-            raise ValueError(f"num_labels={num_labels} must be at least 2")
-        if labels is not None and len(labels) != num_labels:
-            raise ValueError(f"labels has {len(labels)} names but num_labels={num_labels}")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling={pooling!r}; choose one of {', '.join(POOLINGS)}")
-        self.cfg, self.num_labels, self.labels, self.pooling = cfg, num_labels, labels, pooling
-        self.pool = POOLINGS[pooling]
-        self.encoder = Encoder(cfg)
-        self.dropout = Dropout(cfg.dropout)
-        self.head = Linear(cfg.d_model, num_labels)
-        nn.init.normal_(self.head.weight, std=0.02)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                return_attention: bool = False):
-        out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
-        hidden, attentions = out if return_attention else (out, None)
-        logits = self.head(self.dropout(self.pool(hidden, attention_mask)))      # (B, num_labels)
-        return (logits, attentions) if return_attention else logits
-
-
-class EncoderTokenClassifier(nn.Module):
-    """Token classification (named entities, BERT's recipe): every position's vector -> dropout ->
-    linear -> label logits (B, T, num_labels). Padded positions get logits too; callers ignore them."""
-
-    kind = "tagger"
-    is_encoder_decoder = False
-
-    def __init__(self, cfg: ModelConfig, num_labels: int, labels: list[str] | None = None):
-        super().__init__()
-        if num_labels < 2:
-            raise ValueError(f"num_labels={num_labels} must be at least 2")
-        if labels is not None and len(labels) != num_labels:
-            raise ValueError(f"labels has {len(labels)} names but num_labels={num_labels}")
-        self.cfg, self.num_labels, self.labels = cfg, num_labels, labels
-        self.encoder = Encoder(cfg)
-        self.dropout = Dropout(cfg.dropout)
-        self.head = Linear(cfg.d_model, num_labels)
-        nn.init.normal_(self.head.weight, std=0.02)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
-                return_attention: bool = False):
-        out = self.encoder(input_ids, attention_mask, token_type_ids, return_attention=return_attention)
-        hidden, attentions = out if return_attention else (out, None)
-        logits = self.head(self.dropout(hidden))                                 # (B, T, num_labels)
-        return (logits, attentions) if return_attention else logits
 
 
 class DecoderStack(nn.Module):
@@ -331,8 +269,3 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)
         return self.decoder.new_cache(self.cfg.stack_config("decoder"), batch_size, max_len or self.cfg.max_seq_len,
                                       _cache_dtype(param, dtype), param.device, cross=True)
-
-
-# Every model class by name: what a checkpoint's "architecture" field names (checkpoint.py).
-ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (
-    Encoder, EncoderClassifier, EncoderTokenClassifier, Decoder, EncoderDecoder)}

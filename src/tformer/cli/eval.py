@@ -40,7 +40,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from tformer.checkpoint import load, read_config
     from tformer.errors import ConfigError
-    from tformer.models import Decoder, EncoderClassifier, EncoderDecoder, EncoderTokenClassifier
+    from tformer.heads import EncoderClassifier, EncoderTokenClassifier
+    from tformer.models import Decoder, EncoderDecoder
     from tformer.tokenizers import load_tokenizer
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):

@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from tformer.cli.classify import load_task_model, read_inputs
-    from tformer.models import EncoderTokenClassifier
+    from tformer.heads import EncoderTokenClassifier
     from tformer.tasks.common import warn
     from tformer.tasks.tag import encode_words, format_entities, predict_tags, split_words
 

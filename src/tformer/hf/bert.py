@@ -17,7 +17,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models import Encoder, EncoderTokenClassifier
+from ..heads import EncoderTokenClassifier
+from ..models import Encoder
 from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
                      settings, token_id)
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
-from ..models import EncoderClassifier
+from ..heads import EncoderClassifier
 from ..options import below_one, option, positive_int
 from ..tokenizers import make_tokenizer
 from ..train import TrainOptions

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
-from ..models import EncoderTokenClassifier
+from ..heads import EncoderTokenClassifier
 from ..tokenizers import Tokenizer, check_text, make_tokenizer
 from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
                      model_config, pad, warn)
