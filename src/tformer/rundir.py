@@ -1,8 +1,8 @@
 """Reading and writing a run directory (its layout: tformer.runs): the checks before a run starts,
 metrics.jsonl and its plot, step checkpoints with their training state, pruning, best/.
 
-Only the main process writes; under torchrun the others call the same methods and do nothing, so
-the trainer need not ask who it is at each call."""
+Only the main process writes; under torchrun the others call the same methods, do not write, and
+wait at the end of each save, so the trainer need not ask who it is at each call."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .checkpoint import read_config, save, verify
+from .distributed import Dist
 from .errors import CheckpointError
 from .runs import BEST, CONFIG, METRICS, PLOT, STATE, checkpoint_dir, hidden_leftovers, holds_run, resolve, step_dirs
 
@@ -44,15 +45,26 @@ def parse_record(line: str) -> dict[str, Any] | None:
 
 
 class RunDir:
-    """The run directory `path`, written by the main process (`main`) only."""
+    """The run directory `path`, written by the main process of `dist` only."""
 
-    def __init__(self, path: str | os.PathLike, main: bool = True):
-        self.path, self.main = Path(path), main
+    def __init__(self, path: str | os.PathLike, dist: Dist):
+        self.path, self.dist, self.main = Path(path), dist, dist.main
         self.records: list[dict[str, Any]] = []  # metrics.jsonl as written so far (for the plot)
 
     def check(self, resume: bool) -> None:
         """Refuse to overwrite another run; fail early (before training) when the directory is
-        unwritable; delete hidden leftovers of a run killed mid-save or mid-prune."""
+        unwritable. The main process decides and tells the others, so they never race with its mkdir."""
+        error = None
+        if self.main:
+            try:
+                self._check_here(resume)
+            except CheckpointError as e:
+                error = str(e)
+        error = self.dist.broadcast(error)
+        if error:
+            raise CheckpointError(error)
+
+    def _check_here(self, resume: bool) -> None:
         run = self.path
         if run.exists() and not run.is_dir():
             raise CheckpointError(f"--out {run} is a file, not a directory")
@@ -66,6 +78,7 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(f"cannot write to --out {run} ({e.strerror or e})") from None
+        # Hidden leftovers of a run killed mid-save or mid-prune (never loaded): free their space.
         for leftover in hidden_leftovers(run):
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -112,6 +125,7 @@ class RunDir:
             save(model, path, tokenizer=task.tokenizer, meta={"task": task.name, **task.meta(), "step": step},
                  extra_files=extra, source_tokenizer=getattr(task, "source_tokenizer", None))
             self.prune(keep)
+        self.dist.barrier()
         return path
 
     def prune(self, keep: int) -> None:
@@ -146,3 +160,4 @@ class RunDir:
             save(model, self.best_dir, tokenizer=task.tokenizer,
                  meta={"task": task.name, **task.meta(), "step": record["step"], "best": record},
                  source_tokenizer=getattr(task, "source_tokenizer", None))
+        self.dist.barrier()

@@ -21,7 +21,6 @@ from .checkpoint import WEIGHTS, load_state, read_safetensors
 from .data import micro_batches
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
-from .errors import CheckpointError
 from .guard import NonFiniteError, NumericGuard, stopped
 from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tensors, progress_of
 from .rundir import RunDir, read_trainer_state
@@ -56,10 +55,6 @@ class FitResult:
     records: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
 
 
-def autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
 class Trainer:
     """Builds the model and optimizer, then steps, validates and saves: the loop itself."""
 
@@ -70,7 +65,7 @@ class Trainer:
         self.args = args or {}             # the options as given, saved for --resume
         self.stop_requested = False        # Ctrl-C: finish this step, save, stop
         self.dist = Dist(cfg.device)
-        self.run_dir = RunDir(cfg.out, self.dist.main)
+        self.run_dir = RunDir(cfg.out, self.dist)
         self.device: torch.device | None = None
         self.state = TrainState()
         self.plain: nn.Module | None = None   # the model itself (what is saved)
@@ -82,18 +77,6 @@ class Trainer:
         self.names: list[str] = []         # parameter names in optimizer order
 
     # --- set-up --------------------------------------------------------------------------
-    def _check_out(self, resume: str | None) -> None:
-        """Rank 0 checks the run directory and tells the others, so they never race with its mkdir."""
-        error = None
-        if self.dist.main:
-            try:
-                self.run_dir.check(resume=bool(resume))
-            except CheckpointError as e:
-                error = str(e)
-        error = self.dist.broadcast(error)
-        if error:
-            raise CheckpointError(error)
-
     def _build(self, resume: str | None) -> None:
         cfg = self.cfg
         self.device = pick_device(cfg.device, self.dist.local_rank)
@@ -152,9 +135,7 @@ class Trainer:
                                        "max_steps": cfg.max_steps, "time_budget": cfg.time_budget,
                                        "warm_elapsed": state.warm_elapsed, "last_lr": self.opt.param_groups[0]["lr"]},
                          "data_position": {"seed": cfg.seed, "next_step": state.step}}
-        path = self.run_dir.save_step(state.step, model, self.task, trainer_state, files, cfg.keep)
-        self.dist.barrier()
-        return path
+        return self.run_dir.save_step(state.step, model, self.task, trainer_state, files, cfg.keep)
 
     def _keep_best(self, metrics: dict[str, float]) -> None:
         """--keep-best: write the model to RUN/best/ when this evaluation beats every earlier one on
@@ -170,7 +151,6 @@ class Trainer:
             return
         self.state.best = {"metric": name, "mode": mode, "value": value, "step": self.state.step}
         self.run_dir.save_best(self._model_to_save(), self.task, self.state.best)
-        self.dist.barrier()
 
     # --- validation ----------------------------------------------------------------------
     def _evaluate(self) -> dict[str, float]:
@@ -223,7 +203,7 @@ class Trainer:
         loss_sum = 0.0
         for i, micro in enumerate(micros):
             with grad_sync(self.model, self.dist, self.cfg.fsdp, last=i == len(micros) - 1):
-                with autocast(self.device, self.cfg.precision):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
                     micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
                     loss = self.task.loss(self.train_model, micro) / len(micros)
                 loss.backward()
@@ -248,7 +228,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg, task = self.cfg, self.task
-        self._check_out(resume)
+        self.run_dir.check(resume=bool(resume))
         self._build(resume)
         state = self.state
         self.run_dir.start_metrics(keep_until=state.step if resume else 0)

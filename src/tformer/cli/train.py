@@ -104,8 +104,11 @@ def prepare(args):
         args.tokenizer = getattr(cls, "default_tokenizer", "char")
     if args.vocab_size is None:  # None: the task picks per data set (translate)
         args.vocab_size = getattr(cls, "default_vocab_size", None)
-    values = vars(args) | {"ema": args.ema if args.ema is not None else getattr(cls, "ema", 0.0),
-                           "keep_best": args.keep_best if args.keep_best is not None else getattr(cls, "keep_best", False)}
+    values = dict(vars(args))  # --ema / --keep-best not given (None): the task's default; saved as not given
+    if args.ema is None:
+        values["ema"] = getattr(cls, "ema", 0.0)
+    if args.keep_best is None:
+        values["keep_best"] = getattr(cls, "keep_best", False)
     cfg = pick(TrainConfig, values)
     cfg.check()
     tokenizers = {}
