@@ -143,6 +143,9 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
                 fns = {"tformer": run_ours, "peer": run_peer}
                 if dtype == "fp32" and batch == 1:
                     fns["read"] = probe
+                if dtype == "int8" and batch == 1:     # quantize_int8 on the fp32 model vs that model itself
+                    fns["fp32"] = lambda: models["fp32"].generate(ids, max_new_tokens=new, do_sample=False,
+                                                                  eos_token_id=[])
                 times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
                 same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
                 extra = {"same_tokens": same, "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1,
@@ -154,9 +157,12 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
                     extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
                                  peer_utilisation=new / times["peer"] / ceiling,
                                  utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
-                rows.append(_row(f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}", "tok/s",
-                                 batch * new / times["tformer"], batch * new / times["peer"],
+                name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
+                rows.append(_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
                                  f"CTranslate2 {dtype}", **extra))
+                if "fp32" in times:
+                    rows.append(_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s", new / times["tformer"],
+                                     new / times["fp32"], "tformer fp32", target=1.0))
     return rows
 
 
