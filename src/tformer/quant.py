@@ -14,11 +14,14 @@ so the matmul runs on q directly and the scale is applied once per output. Two w
   rounds the whole (M, K) input with one step a = (max(x/r, 0) - min(x/r, 0)) / 127 <= 2/127:
   x_mk ≈ r_m·a·(u_mk - z), u in [0, 127]. 7 bits, not 8: the AVX2 instruction that multiplies u8
   by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
-  conversion of the weights, so this is fast at every row count (one row: reading the int8
-  weights; many rows: faster than the fp32 GEMM).
-- activations="float" (weight-only): x stays in floating point; on a CPU PyTorch's
-  `_weight_int8pack_mm` converts q inside the dot product. Fast only for bf16 inputs and a row
-  or two on CPUs with AVX-512; anywhere else (GPU, no FBGEMM) both modes take this path.
+  conversion of the weights, so this is fast for decoding at any batch or beam count (one row:
+  reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md).
+  Inputs of more than INT8_MAX_ROWS rows multiply by the dequantised weight instead, as below
+  (compute-bound: rounding them would cost accuracy for little speed).
+- activations="float" (weight-only): x stays in floating point; for a few rows on a CPU PyTorch's
+  `_weight_int8pack_mm` converts q inside the dot product (fast for bf16 inputs on CPUs with
+  AVX-512), otherwise the product uses the dequantised weight s_n·q_nk. Without FBGEMM (GPU,
+  other CPUs) both modes take this path.
 
 Error, per output (the bound the tests check): rounding each weight moves it by at most s_n / 2,
 and rounding each input of row m by at most r_m·a / 2, so
@@ -45,6 +48,10 @@ from torch import Tensor, nn
 from .linear import Plan
 
 ACTIVATIONS = ("int8", "float")
+# Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
+# hardly faster than the float GEMM on AVX2 while rounding the inputs costs accuracy (MiniLM's
+# embeddings, BENCHMARKS.md): such inputs multiply by the dequantised weight (weight-only error).
+INT8_MAX_ROWS = 256
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,17 +103,21 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
-        if self._integer_path(x):
+        rows = x2.size(0)
+        if rows <= INT8_MAX_ROWS and self._integer_path(x):
+            # In place where it can be: a fresh (M, N) tensor costs page faults, as much as the product here.
             xf = x2.float()
-            r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)              # (M, 1): each row's own range
-            y = (self._packed()(xf / r) * r).to(x.dtype)                         # r_m·a·s_n · Σ_k (u_mk - z) q_nk
-        elif x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            lo, hi = torch.aminmax(xf, dim=1, keepdim=True)
+            r = torch.maximum(hi, -lo).clamp_(min=1e-30)                         # (M, 1): each row's own range
+            y = self._packed()(xf / r).mul_(r).to(x.dtype)                       # r_m·a·s_n · Σ_k (u_mk - z) q_nk
+        elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
         else:
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)  # s_n · Σ_k x_k q_nk
+            # Many rows: the weight, converted once, costs little against the product itself.
+            y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])   # Σ_k x_k (s_n q_nk)
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            y = y.add_(self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
 
     def _integer_path(self, x: Tensor) -> bool:

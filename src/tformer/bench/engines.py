@@ -95,6 +95,21 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def ct2_greedy(generator, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """(B, T) prompt ids -> (B, new) greedy continuation by a CTranslate2 Generator over a
+    numbered_tokenizer vocabulary (EOS held off until `new` tokens, as tformer's eos_token_id=[])."""
+    res = generator.generate_batch([[f"t{i}" for i in row] for row in ids.tolist()], max_length=new, min_length=new,
+                                   sampling_topk=1, include_prompt_in_result=False)
+    return torch.tensor([r.sequences_ids[0] for r in res])
+
+
+def ct2_beam(translator, sources: list[list[str]], new: int, batch: int) -> list[list[str]]:
+    """Beam-4 translations (tokens) of `sources` (tokens, ending in "</s>"), exactly `new` tokens each."""
+    res = translator.translate_batch(sources, max_batch_size=batch, beam_size=4, max_decoding_length=new,
+                                     min_decoding_length=new)
+    return [r.hypotheses[0] for r in res]
+
+
 def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
     """Greedy decoding, 32-token prompt + 128 new tokens, batch 1 and 8, fp32 and int8."""
     import ctranslate2
@@ -117,20 +132,20 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
             for batch in (1, 8):
                 g = torch.Generator().manual_seed(batch)
                 ids = torch.randint(1, shape["vocab"], (batch, 32), generator=g)
-                prompts = [[f"t{i}" for i in row] for row in ids.tolist()]
                 out = {}
 
                 def run_ours(m=models[dtype]):
                     out["ours"] = m.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])[:, 32:]
 
                 def run_peer():
-                    res = peer.generate_batch(prompts, max_length=new, min_length=new, sampling_topk=1,
-                                              include_prompt_in_result=False)
-                    out["peer"] = torch.tensor([r.sequences_ids[0] for r in res])
+                    out["peer"] = ct2_greedy(peer, ids, new)
 
                 fns = {"tformer": run_ours, "peer": run_peer}
                 if dtype == "fp32" and batch == 1:
                     fns["read"] = probe
+                if dtype == "int8" and batch == 1:     # quantize_int8 on the fp32 model vs that model itself
+                    fns["fp32"] = lambda: models["fp32"].generate(ids, max_new_tokens=new, do_sample=False,
+                                                                  eos_token_id=[])
                 times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
                 same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
                 extra = {"same_tokens": same, "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1,
@@ -142,9 +157,12 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
                     extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
                                  peer_utilisation=new / times["peer"] / ceiling,
                                  utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
-                rows.append(_row(f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}", "tok/s",
-                                 batch * new / times["tformer"], batch * new / times["peer"],
+                name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
+                rows.append(_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
                                  f"CTranslate2 {dtype}", **extra))
+                if "fp32" in times:
+                    rows.append(_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s", new / times["tformer"],
+                                     new / times["fp32"], "tformer fp32", target=1.0))
     return rows
 
 
@@ -185,9 +203,7 @@ def marian_rows(quick: bool) -> list[dict]:
                     out["ours"] += [s[1:].tolist() for s in seqs]             # without the start token
 
             def run_peer():
-                res = peer.translate_batch([[name_of(i) for i in s] for s in sources], max_batch_size=batch,
-                                           beam_size=4, max_decoding_length=new, min_decoding_length=new)
-                out["peer"] = [r.hypotheses[0] for r in res]
+                out["peer"] = ct2_beam(peer, [[name_of(i) for i in s] for s in sources], new, batch)
 
             times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
                                       repeats=1 if quick else 3, warmup=1)
@@ -238,10 +254,13 @@ def to_onnx(hf_model, tmp: Path) -> dict[str, str]:
 
     names = ["input_ids", "attention_mask", "token_type_ids"]
     ids = torch.ones(2, 8, dtype=torch.long)
+    mask = ids.clone()
+    mask[1, 5:] = 0                      # with padding: an all-ones mask is traced as "no mask" by transformers
     fp32, int8 = tmp / "model.onnx", tmp / "model-int8.onnx"
-    torch.onnx.export(_Hidden(hf_model), (ids, ids, torch.zeros_like(ids)), str(fp32), input_names=names,
+    torch.onnx.export(_Hidden(hf_model), (ids, mask, torch.zeros_like(ids)), str(fp32), input_names=names,
                       output_names=["hidden"], dynamic_axes={k: {0: "batch", 1: "time"} for k in names + ["hidden"]},
                       dynamo=False, opset_version=17)
+    hf_model.eval()                      # the exporter leaves the model in training mode (dropout on)
     quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
     return {"fp32": str(fp32), "int8": str(int8)}
 

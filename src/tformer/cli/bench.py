@@ -52,7 +52,7 @@ def run(args) -> int:
         import sentence_transformers  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        raise TformerError(f"the peers need {e.name} (pip install 'tformer[test]')") from None
+        raise TformerError(f"the peers need {e.name} (pip install 'tformer[bench]')") from None
 
     bar = tqdm(total=len(names) + 1, desc="bench", file=sys.stderr, unit="bench")
 
