@@ -9,6 +9,7 @@ encoder-decoder -> marian or bart; a config no family represents exactly is refu
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,6 @@ def run(args) -> int:
     tokenizer = _CopyFile(tokenizer_file) if tokenizer_file.exists() else None
     to_hf(model, dst, tokenizer=tokenizer)
     extra = " + tokenizer.json" if tokenizer is not None else ""
-    architecture = family.config_to_hf(model.cfg)["architectures"][0]
+    architecture = json.loads((dst / "config.json").read_text())["architectures"][0]  # a tagger: BertFor...
     print(f"exported {type(model).__name__} as {family.MODEL_TYPE} ({architecture}){extra}: {dst}")
     return 0
