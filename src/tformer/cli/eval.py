@@ -40,27 +40,20 @@ def register(sub) -> None:
 def run(args) -> int:
     from tformer.checkpoint import load, read_config
     from tformer.errors import ConfigError
-    from tformer.heads import EncoderClassifier, EncoderTokenClassifier
-    from tformer.models import Decoder, EncoderDecoder
     from tformer.tokenizers import load_tokenizer
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--num-beams and --limit must be at least 1")
     model = load(args.model)
     model.eval()
-    if not isinstance(model, (Decoder, EncoderClassifier, EncoderDecoder, EncoderTokenClassifier)):
+    scorers = {"classifier": eval_classifier, "tagger": eval_tagger, "encoder-decoder": eval_translator,
+               "decoder": lambda *a: (eval_lm(*a), "")}
+    if model.kind not in scorers:
         raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
                           "EncoderClassifier, EncoderTokenClassifier or EncoderDecoder")
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
-    if isinstance(model, EncoderClassifier):
-        result, extra = eval_classifier(model, tokenizer, meta, args)
-    elif isinstance(model, EncoderTokenClassifier):
-        result, extra = eval_tagger(model, tokenizer, meta, args)
-    elif isinstance(model, EncoderDecoder):
-        result, extra = eval_translator(model, tokenizer, meta, args)
-    else:
-        result, extra = eval_lm(model, tokenizer, meta, args), ""
+    result, extra = scorers[model.kind](model, tokenizer, meta, args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -31,13 +31,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.cli.classify import load_task_model, read_inputs
-    from tformer.heads import EncoderTokenClassifier
+    from tformer.cli.common import load_task_model, read_inputs
     from tformer.tasks.common import warn
     from tformer.tasks.tag import encode_words, format_entities, predict_tags, split_words
 
     texts = read_inputs(args.texts)
-    model, tokenizer, max_len, _ = load_task_model(args.model, EncoderTokenClassifier, "a tagger", "tag")
+    model, tokenizer, max_len, _ = load_task_model(args.model, "tagger", "a tagger", "tag")
     sentences = [split_words(t) for t in texts]
     _, _, cut = encode_words(tokenizer, sentences, max_len)
     if cut:

@@ -80,7 +80,6 @@ def load_pretrained_encoder(init: str):
     encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
     is the one saved with it: a pretrained encoder only understands its own token ids."""
     from ..checkpoint import load
-    from ..models import Encoder
     from ..tokenizers import Tokenizer, load_tokenizer
 
     path = Path(init)
@@ -102,7 +101,7 @@ def load_pretrained_encoder(init: str):
         tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     if model.kind in ("classifier", "tagger"):  # a fine-tuned encoder: start from its encoder
         model = model.encoder
-    if not isinstance(model, Encoder):
+    if model.kind != "encoder":
         raise CheckpointError(f"--init {init} holds a {type(model).__name__}; fine-tuning needs an encoder "
                               "(BERT family)")
     return model, tokenizer

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,9 @@ from .. import corpora, metrics
 from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..heads import EncoderTokenClassifier
+from ..options import option, positive_int
 from ..tokenizers import Tokenizer, check_text, make_tokenizer
+from ..train import TrainOptions
 from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
                      model_config, pad, warn)
 
@@ -200,6 +203,14 @@ def format_entities(words: list[str], tags: list[str]) -> str:
     return " ".join(out)
 
 
+@dataclass
+class TagOptions(TrainOptions):
+    title = "token tagging (--task tag)"
+    max_len: int | None = option(
+        None, f"tokens per sentence incl. [bos]/[eos]; words past it are predicted O (default: {DEFAULT_MAX_LEN})",
+        type=positive_int)
+
+
 class TagTask:
     name = "tag"
     default_data = "wnut16"
@@ -211,30 +222,23 @@ class TagTask:
     default_tokenizer = "wordpiece"
     default_vocab_size = DEFAULT_VOCAB
 
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        from ..cli.args import positive_int
+    Options = TagOptions
 
-        g = parser.add_argument_group("token tagging (--task tag)")
-        g.add_argument("--max-len", type=positive_int, default=None,
-                       help=f"tokens per sentence incl. [bos]/[eos]; words past it are predicted O "
-                            f"(default: {DEFAULT_MAX_LEN})")
-
-    def __init__(self, args, tokenizer=None, init: str | None = None):
+    def __init__(self, opts: TagOptions, tokenizer=None, init: str | None = None):
         if importlib.util.find_spec("seqeval") is None:
             raise ConfigError("--task tag scores entities with seqeval, which is not installed (pip install seqeval)")
-        self.args = args
-        self.seed = arg(args, "seed", 0)
-        self.val_fraction = arg(args, "val_fraction", 0.1)
-        self.data_name = arg(args, "data", "wnut16")
-        data = load_data(self.data_name, errors=arg(args, "errors", "strict"))
+        self.opts = opts
+        self.seed = arg(opts, "seed", 0)
+        self.val_fraction = arg(opts, "val_fraction", 0.1)
+        self.data_name = arg(opts, "data", "wnut16")
+        data = load_data(self.data_name, errors=arg(opts, "errors", "strict"))
         # Labels of both splits: a type seen only in held-out sentences is still one to predict.
         self.label_names = label_set(data.labels)
         if len(self.label_names) < 2:
             raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); tagging needs two or more")
         label_id = {name: i for i, name in enumerate(self.label_names)}
         train_idx, val_idx = split(data, self.val_fraction, self.seed)
-        self.init = init if init is not None else arg(args, "init")  # on --resume the CLI passes init=None
+        self.init = init if init is not None else arg(opts, "init")  # on --resume the CLI passes init=None
         self.pretrained = None
         if init is not None and tokenizer is None:
             self.pretrained, tokenizer = load_pretrained_encoder(init)
@@ -244,7 +248,7 @@ class TagTask:
         if tokenizer.pad_id is None:
             raise DataError("the tokenizer has no padding token (<pad> or [PAD]); tagging pads batches")
         limit = self.pretrained.cfg.max_seq_len if self.pretrained is not None else None
-        self.max_len = min(arg(args, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
+        self.max_len = min(arg(opts, "max_len", DEFAULT_MAX_LEN), limit or 10**9)
         seqs, firsts, cut = encode_words(tokenizer, [data.words[i] for i in train_idx], self.max_len)
         if cut:
             warn(f"{cut} of {len(seqs)} training sentences are longer than --max-len {self.max_len} tokens and "
@@ -257,8 +261,8 @@ class TagTask:
         self.val_labels = [data.labels[i] for i in val_idx]
 
     def _train_tokenizer(self, texts: list[str]) -> Tokenizer:
-        choice = arg(self.args, "tokenizer", "wordpiece")
-        vocab_size = arg(self.args, "vocab_size", DEFAULT_VOCAB)
+        choice = arg(self.opts, "tokenizer", "wordpiece")
+        vocab_size = arg(self.opts, "vocab_size", DEFAULT_VOCAB)
         if choice == "wordpiece":
             return Tokenizer.train_wordpiece(texts, vocab_size, lowercase=False)
         return make_tokenizer(choice, texts, vocab_size)
@@ -270,16 +274,16 @@ class TagTask:
             encoder = self.pretrained
             if encoder is None:  # resuming: the tokenizer came from the run, the weights from --init
                 encoder, _ = load_pretrained_encoder(self.init)
-            model = EncoderTokenClassifier(encoder.cfg.replace(**dropout_overrides(self.args)), n, self.label_names)
+            model = EncoderTokenClassifier(encoder.cfg.replace(**dropout_overrides(self.opts)), n, self.label_names)
             model.encoder.load_state_dict(encoder.state_dict())
             return model
-        cfg = model_config(self.args, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
+        cfg = model_config(self.opts, "encoder", self.tokenizer.vocab_size, self.max_len, DEFAULT_MODEL,
                            pad_token_id=self.tokenizer.pad_id)
         return EncoderTokenClassifier(cfg, n, self.label_names)
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
         g = step_generator(self.seed, step)
-        rows = length_grouped_rows(self.by_length, arg(self.args, "batch_size", 32), g)
+        rows = length_grouped_rows(self.by_length, arg(self.opts, "batch_size", 32), g)
         ids, mask = pad([self.train_seqs[i] for i in rows], self.tokenizer.pad_id)
         labels, _ = pad([self.train_targets[i] for i in rows], IGNORE)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
