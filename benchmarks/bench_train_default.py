@@ -3,7 +3,7 @@ char vocabulary of Hamlet) against Hugging Face GPT2LMHeadModel of the same shap
 
 Each peer does full optimizer steps (forward, loss, backward, clip, AdamW, zero_grad) on the same
 batch of 32 x 128 tokens, timed interleaved (a, b, a, b, ...) so load from other processes hits both
-alike; fp32 and bf16 autocast. Also: tformer's own trainer (`tformer.train.fit`, data sampling and
+alike; fp32 and bf16 autocast. Also: tformer's own trainer (`tformer.trainer.fit`, data sampling and
 bookkeeping included) for a few steps, and the machine's GEMM ceiling measured in the same run.
 
     .venv/bin/python benchmarks/bench_train_default.py [--repeats 5] [--device cpu]
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import tformer
 from tformer.bench.common import interleaved_times, machine_info, measure_ceilings
 from tformer.train import TrainConfig
+from tformer.trainer import fit
 
 VOCAB, BATCH, CONTEXT = 70, 32, 128
 
@@ -59,8 +60,7 @@ def trainer_tokens_per_s(precision: str, device: str, steps: int) -> float:
                                           "--eval-every", str(10 * steps), "--precision", precision,
                                           "--dropout", "0", "--device", device, "--no-progress", "--out", out])
         task, cfg, _, saved = prepare(args)
-        records = tformer.train.fit(task, TrainConfig(**{**cfg.to_dict(), "save_every": 10 * steps}),
-                                    args=saved)["records"]
+        records = fit(task, TrainConfig(**{**cfg.to_dict(), "save_every": 10 * steps}), args=saved).records
     return [r for r in records if "tokens_per_s" in r][-1]["tokens_per_s"]
 
 

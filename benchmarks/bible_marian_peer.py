@@ -36,15 +36,16 @@ def main() -> None:
     from transformers import MarianConfig, MarianMTModel
 
     from tformer import metrics
-    from tformer.tasks.translate import DEFAULT_MODEL, IGNORE, TranslateTask, teacher_forced_loss
+    from tformer.tasks.translate import DEFAULT_MODEL, IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
     from tformer.tokenizers import load_tokenizer
-    from tformer.train import TrainConfig, lr_at, param_groups
+    from tformer.optim import lr_at, param_groups
+    from tformer.train import TrainConfig
 
     torch.manual_seed(a.seed)
     tok = load_tokenizer(a.tokenizer_from) if a.tokenizer_from else None
-    task = TranslateTask(argparse.Namespace(data="bible-en-es", preset=None, vocab_size=a.vocab_size,
-                                            batch_size=a.batch_size, seed=a.seed, val_fraction=a.val_fraction,
-                                            dropout=None), tokenizer=tok)
+    task = TranslateTask(TranslateOptions(out="unused", data="bible-en-es", vocab_size=a.vocab_size,
+                                          batch_size=a.batch_size, seed=a.seed, val_fraction=a.val_fraction),
+                         tokenizer=tok)
     tok = task.tokenizer
     m = DEFAULT_MODEL
     cfg = MarianConfig(vocab_size=tok.vocab_size, d_model=m["d_model"], encoder_layers=m["n_layers"],

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from tformer.config import preset
 from tformer.models import Decoder
-from tformer.train import TrainConfig, autocast, make_optimizer
+from tformer.optim import make_optimizer
+from tformer.train import TrainConfig
 
 
 def main(argv: list[str]) -> None:
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> None:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        with autocast(torch.device("cpu"), precision):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = model(x)
         F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
