@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,31 @@ from .checkpoint import read_config, save, verify
 from .distributed import Dist
 from .errors import CheckpointError
 from .runs import BEST, CONFIG, METRICS, PLOT, STATE, checkpoint_dir, hidden_leftovers, holds_run, resolve, step_dirs
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved as part of trainer_state.json, restored on --resume."""
+    step: int = 0                      # optimizer steps done
+    elapsed: float = 0.0               # training seconds, over every resumed part
+    warm_elapsed: float | None = None  # `elapsed` when warm-up ended (the time-based cosine starts there)
+    best_val_loss: float | None = None
+    tokens: int = 0
+    best: dict[str, Any] | None = None  # the record of RUN/best/ (--keep-best)
+
+
+@dataclass
+class FitResult:
+    reason: str                        # max_steps, time_budget, stop_at or interrupted
+    step: int
+    best_val_loss: float | None
+    checkpoint: str                    # the last step checkpoint
+    best: dict[str, Any] | None        # RUN/best/'s record ({"metric", "mode", "value", "step"}), or None
+    best_checkpoint: str | None
+    run_dir: str
+    elapsed: float
+    tokens: int
+    records: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
 
 
 def read_trainer_state(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:

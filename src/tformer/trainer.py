@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,36 +23,11 @@ from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, 
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
 from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tensors, progress_of
-from .rundir import RunDir, read_trainer_state
+from .rundir import FitResult, RunDir, TrainState, read_trainer_state
 from .runs import EMA as EMA_FILE
 from .runs import OPTIMIZER, RNG, checkpoint_dir
 from .devices import pick_device
 from .train import Task, TrainConfig
-
-
-@dataclass
-class TrainState:
-    """Where training stands; saved as part of trainer_state.json, restored on --resume."""
-    step: int = 0                      # optimizer steps done
-    elapsed: float = 0.0               # training seconds, over every resumed part
-    warm_elapsed: float | None = None  # `elapsed` when warm-up ended (the time-based cosine starts there)
-    best_val_loss: float | None = None
-    tokens: int = 0
-    best: dict[str, Any] | None = None  # the record of RUN/best/ (--keep-best)
-
-
-@dataclass
-class FitResult:
-    reason: str                        # max_steps, time_budget, stop_at or interrupted
-    step: int
-    best_val_loss: float | None
-    checkpoint: str                    # the last step checkpoint
-    best: dict[str, Any] | None        # RUN/best/'s record ({"metric", "mode", "value", "step"}), or None
-    best_checkpoint: str | None
-    run_dir: str
-    elapsed: float
-    tokens: int
-    records: list[dict[str, Any]] = field(default_factory=list)  # what metrics.jsonl holds
 
 
 class Trainer:
