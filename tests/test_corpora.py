@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tformer import corpora
+from tformer import bible, corpora
 from tformer.errors import DataError
 
 
@@ -47,7 +47,7 @@ def test_strip_osis_removes_markup_and_keeps_words_apart():
             'God<note placement="foot"><reference type="annotateRef">1:1 </reference>The Hebrew word '
             '“Elohim”.</note>created <title type="x-gen">A heading</title>the <transChange type="added">'
             'earth</transChange>.<lb/>Next<div type="x-milestone" sID="pv1"/>line. ')
-    assert corpora.strip_osis(osis) == "In the beginning, God created the earth. Next line."
+    assert bible.strip_osis(osis) == "In the beginning, God created the earth. Next line."
 
 
 def test_heldout_groups_are_whole_and_seeded():
@@ -61,11 +61,11 @@ def test_heldout_groups_are_whole_and_seeded():
 def test_missing_sword_modules_say_how_to_install(tmp_path):
     pytest.importorskip("pysword")
     with pytest.raises(DataError, match="make system-deps.*sword-text-web sword-text-sparv"):
-        corpora.build_bible(str(tmp_path))
+        bible.build_bible(str(tmp_path))
 
 
 def test_bible_pairs_when_installed():
-    cache = corpora.cache_dir() / "bible-en-es.tsv"
+    cache = bible.cache_dir() / "bible-en-es.tsv"
     if not cache.exists():  # building it reads the whole of both modules (minutes): not in the fast suite
         pytest.skip("bible-en-es not built yet (needs sword-text-web + sword-text-sparv; `make system-deps`)")
     pairs = corpora.bible_en_es()
