@@ -92,6 +92,18 @@ def test_int8_activations_kernel_equals_the_integer_formula():
                                    rtol=1e-2, atol=1e-2)
 
 
+def test_many_rows_keep_float_activations():
+    """Past INT8_MAX_ROWS rows (an encoder's tokens) the inputs are not rounded: the weight-only bound holds."""
+    from tformer.quant import INT8_MAX_ROWS
+    torch.manual_seed(7)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(INT8_MAX_ROWS + 1, 64) * torch.logspace(-1, 1, 64)
+    with torch.inference_mode():
+        exact, approx = linear(x), Int8Linear(linear)(x)
+    _, s = quantize_weight(linear.weight)
+    assert ((approx - exact).abs() <= s / 2 * x.abs().sum(-1, keepdim=True) + 1e-5).all()
+
+
 def test_int8_linear_refuses_an_unknown_activation_mode():
     with pytest.raises(ValueError, match="activations='int4'"):
         Int8Linear(nn.Linear(4, 4), activations="int4")
