@@ -36,9 +36,9 @@ def main() -> None:
     from transformers import MarianConfig, MarianMTModel
 
     from tformer import metrics
+    from tformer.optim import lr_at, param_groups
     from tformer.tasks.translate import DEFAULT_MODEL, IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
     from tformer.tokenizers import load_tokenizer
-    from tformer.optim import lr_at, param_groups
     from tformer.train import TrainConfig
 
     torch.manual_seed(a.seed)
@@ -53,11 +53,13 @@ def main() -> None:
                        decoder_attention_heads=m["n_heads"], encoder_ffn_dim=m["d_ff"], decoder_ffn_dim=m["d_ff"],
                        max_position_embeddings=m["max_seq_len"], dropout=m["dropout"], activation_function="gelu",
                        pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
-                       decoder_start_token_id=tok.bos_id, forced_eos_token_id=None, share_encoder_decoder_embeddings=True,
+                       decoder_start_token_id=tok.bos_id, forced_eos_token_id=None,
+                       share_encoder_decoder_embeddings=True,
                        tie_word_embeddings=True)
     model = MarianMTModel(cfg)
     tc = TrainConfig(out="-", time_budget=a.time_budget, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup)
-    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, tc.weight_decay)],
+    groups = param_groups(model, tc.weight_decay)
+    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups],
                             lr=a.lr, betas=(tc.beta1, tc.beta2))
     start, step, warm = time.perf_counter(), 0, None
     model.train()

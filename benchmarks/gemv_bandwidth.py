@@ -51,7 +51,8 @@ def main() -> None:
                 x = {n: torch.randn(rows, n, dtype=dtype) for n in (768, 3072)}
                 for name, fn in kernels(weights, rows).items():
                     s = timed(lambda: [fn(x[w.size(1)], w) for w in weights])
-                    print(f"GPT-2 {str(dtype)[6:]:9} batch {rows}  {name:16} {s * 1e3:6.1f} ms  {nbytes / s / 1e9:5.1f} GB/s")
+                    print(f"GPT-2 {str(dtype)[6:]:9} batch {rows}  {name:16} {s * 1e3:6.1f} ms  "
+                          f"{nbytes / s / 1e9:5.1f} GB/s")
         for d in (128, 256, 512):
             weights = [torch.randn(o, i) for o, i in [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * 4]
             x = {n: torch.randn(1, n) for n in (d, 4 * d)}

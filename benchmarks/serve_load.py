@@ -141,9 +141,11 @@ def report(name: str, results: list[Result], wall: float) -> float:
     print(f"{name}: {len(results)} requests in {wall:.1f} s, {tokens} tokens generated, {rate:.1f} tokens/s, "
           f"errors {len(results) - len(ok)}")
     if ttft:
-        print(f"  time to first token  p50 {percentile(ttft, 50) * 1e3:8.0f} ms   p99 {percentile(ttft, 99) * 1e3:8.0f} ms")
+        print(f"  time to first token  p50 {percentile(ttft, 50) * 1e3:8.0f} ms   "
+              f"p99 {percentile(ttft, 99) * 1e3:8.0f} ms")
     if itl:
-        print(f"  inter-token latency  p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms")
+        print(f"  inter-token latency  p50 {percentile(itl, 50) * 1e3:8.1f} ms   "
+              f"p99 {percentile(itl, 99) * 1e3:8.1f} ms")
     for r in results:
         if r.error:
             print(f"  error: {r.error}")

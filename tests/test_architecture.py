@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
-CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "layers", "embeddings", "pooling", "models", "heads",
-                "dropout", "quant"]
+CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "layers", "embeddings", "pooling", "models",
+                "heads", "dropout", "quant"]
 CORE = {f"tformer.{m}" for m in CORE_MODULES + ["errors", "devices"]} | {"tformer"}
 
 # The one import from the core upward: model.generate(...) / model.stream(...) forward to the
@@ -159,7 +159,8 @@ def test_library_code_never_imports_the_cli():
 
 
 def test_no_module_imports_another_modules_private_names():
-    wrong = [f"{name}:{line} imports {target}.{what}" for name in sorted(MODULES) for target, what, line in imports(name)
+    wrong = [f"{name}:{line} imports {target}.{what}" for name in sorted(MODULES)
+             for target, what, line in imports(name)
              if what.startswith("_") and not what.startswith("__") and owner(target) != name]
     assert not wrong, "\n".join(wrong)
 

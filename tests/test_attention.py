@@ -154,11 +154,15 @@ def copy_from_nn(ours: MultiHeadAttention, ref: nn.MultiheadAttention) -> None:
     d = ref.embed_dim
     with torch.no_grad():
         if ours.cross:
-            ours.q_proj.weight.copy_(ref.in_proj_weight[:d]); ours.q_proj.bias.copy_(ref.in_proj_bias[:d])
-            ours.kv_proj.weight.copy_(ref.in_proj_weight[d:]); ours.kv_proj.bias.copy_(ref.in_proj_bias[d:])
+            ours.q_proj.weight.copy_(ref.in_proj_weight[:d])
+            ours.q_proj.bias.copy_(ref.in_proj_bias[:d])
+            ours.kv_proj.weight.copy_(ref.in_proj_weight[d:])
+            ours.kv_proj.bias.copy_(ref.in_proj_bias[d:])
         else:
-            ours.qkv_proj.weight.copy_(ref.in_proj_weight); ours.qkv_proj.bias.copy_(ref.in_proj_bias)
-        ours.out_proj.weight.copy_(ref.out_proj.weight); ours.out_proj.bias.copy_(ref.out_proj.bias)
+            ours.qkv_proj.weight.copy_(ref.in_proj_weight)
+            ours.qkv_proj.bias.copy_(ref.in_proj_bias)
+        ours.out_proj.weight.copy_(ref.out_proj.weight)
+        ours.out_proj.bias.copy_(ref.out_proj.bias)
 
 
 @pytest.mark.parametrize("cross", [False, True])

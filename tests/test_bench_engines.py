@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tformer.bench import engines
+from tformer.bench import engines, onnx_peer
 from tformer.bench.common import from_hf_model, hf_gpt2
 
 needs_ct2 = pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="ctranslate2 not installed")
@@ -81,7 +81,7 @@ def test_onnx_export_and_int8_quantisation_compute_the_hf_encoder(tmp_path: Path
     mask[1, 6:] = 0
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask).last_hidden_state
-    paths = engines.to_onnx(hf, tmp_path)
+    paths = onnx_peer.to_onnx(hf, tmp_path)
     assert not hf.training
     inputs = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": torch.zeros_like(ids).numpy()}
     for name, tol in (("fp32", 1e-4), ("int8", 0.2)):

@@ -4,7 +4,6 @@ recorded, writes samples from the best (averaged) weights, and leaves a run `tfo
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 
 def test_demo_runs_end_to_end(tmp_path):

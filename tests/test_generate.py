@@ -6,15 +6,24 @@ import io
 
 import pytest
 import torch
-from hf_util import save_hf, transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tformer
+from hf_util import save_hf, transformers
 from tformer import Decoder, EncoderDecoder, ModelConfig
 from tformer.cli import main
-from tformer.generation import (TextStream, apply_repetition_penalty, apply_temperature, min_p_filter,
-                                sequence_hits, stream_text, top_k_filter, top_p_filter, windowed)
+from tformer.generation import (
+    TextStream,
+    apply_repetition_penalty,
+    apply_temperature,
+    min_p_filter,
+    sequence_hits,
+    stream_text,
+    top_k_filter,
+    top_p_filter,
+    windowed,
+)
 from tformer.tokenizers import Tokenizer
 
 lp = pytest.importorskip("transformers.generation.logits_process")

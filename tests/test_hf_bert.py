@@ -4,9 +4,9 @@ types), and the real all-MiniLM-L6-v2 gives sentence-transformers' embeddings.""
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 
 import tformer
+from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.errors import CheckpointError, ConfigError
 from tformer.hf import load_hf_tokenizer
 

@@ -3,9 +3,9 @@ generation, on tiny random configs; to_hf round-trips and loads in transformers.
 
 import pytest
 import torch
-from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 
 import tformer
+from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.errors import ConfigError
 
 GPT2 = [

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from hf_util import save_hf, state_equal, transformers
 from safetensors.torch import load_file, save_file
 
 import tformer
+from hf_util import save_hf, state_equal, transformers
 from tformer.cli import main
 from tformer.errors import CheckpointError, ConfigError
 

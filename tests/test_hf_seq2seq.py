@@ -4,9 +4,9 @@ decoder depths; to_hf round-trips and loads in transformers; what tformer lacks 
 
 import pytest
 import torch
-from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 
 import tformer
+from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.errors import CheckpointError, ConfigError
 
 MARIAN = [
@@ -34,7 +34,8 @@ CASES = [(transformers.MarianConfig, transformers.MarianMTModel, c) for c in MAR
 NO_EOS = dict(eos_token_id=None, forced_eos_token_id=None)   # both sides generate exactly max_new_tokens
 
 
-@pytest.fixture(scope="module", params=range(len(CASES)), ids=["marian-a", "marian-b", "marian-c", "bart-a", "bart-b", "bart-c"])
+@pytest.fixture(scope="module", params=range(len(CASES)),
+                ids=["marian-a", "marian-b", "marian-c", "bart-a", "bart-b", "bart-c"])
 def pair(request, tmp_path_factory):
     config_cls, model_cls, kw = CASES[request.param]
     path = tmp_path_factory.mktemp("s2s")
@@ -92,6 +93,7 @@ def test_to_hf_round_trips_and_loads_in_transformers(pair, tmp_path):
 def test_marian_position_table_is_checked(tmp_path):
     """A stored table that is not the formula would be silently replaced: refused instead."""
     from safetensors.torch import load_file, save_file
+
     from tformer.positional import sinusoidal_table
 
     save_hf(transformers.MarianMTModel(transformers.MarianConfig(**MARIAN[0])), tmp_path)

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 
 import tformer
+from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.errors import ConfigError
 from tformer.positional import RelativePositionBias, relative_bucket
 

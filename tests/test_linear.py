@@ -176,7 +176,8 @@ def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads)
     ids = torch.randint(0, 4096, (2, 12))
     with torch.no_grad():
         reference = model(ids)[:, -1]
-        assert plan_decoding(model, 2) == 2 * 4 + 1               # per layer qkv, out, up, down (split); the output layer (packed)
+        # per layer qkv, out, up, down (split); the output layer (packed)
+        assert plan_decoding(model, 2) == 2 * 4 + 1
         assert {type(m.plan) for m in model.modules() if getattr(m, "plan", None)} == {Packed, Split}
         torch.testing.assert_close(model(ids)[:, -1], reference, atol=1e-4, rtol=1e-4)
     planned = model.generate(ids, max_new_tokens=8)

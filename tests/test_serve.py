@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from serve_util import char_tokenizer, client, httpx, save_tiny, serving
 
 import tformer
+from serve_util import char_tokenizer, client, httpx, save_tiny, serving
 
 PROMPTS = ["the quick brown fox", "a", "hello, world! this is a much longer prompt than the others, by far.",
            "to be or not", "zz", "once upon a time there was"]
@@ -132,7 +132,6 @@ def test_models_health_and_metrics(decoder_server):
 def test_chat_uses_the_imported_template(tmp_path):
     transformers = pytest.importorskip("transformers")
     from hf_util import save_hf
-
     from tformer.cli import main
 
     src = tmp_path / "hf"

@@ -12,6 +12,7 @@ import sys
 import threading
 
 import pytest
+
 from serve_util import client, httpx, save_tiny, serving, wait_for
 
 

@@ -9,8 +9,8 @@ import torch
 
 from tformer import PRESETS, EncoderDecoder, ModelConfig, corpora
 from tformer.checkpoint import load
-from tformer.errors import ConfigError
 from tformer.cli import main
+from tformer.errors import ConfigError
 from tformer.tokenizers import Tokenizer
 from tformer.trace import attention_maps, prepare, trace
 

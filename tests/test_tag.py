@@ -135,9 +135,9 @@ def test_subword_alignment_by_hand():
     expected_ids = [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 2]
     seqs, firsts, cut = encode_words(hand_tokenizer(), [words], max_len=32)
     assert seqs == [expected_ids] and firsts == [[1, 2, 5, 6, 7, 9]] and cut == 0
-    B, I, O, LOC = 1, 2, 0, 3
-    assert targets(firsts[0], [B, I, O, O, LOC, O], len(seqs[0])) == \
-        [IGNORE, B, I, IGNORE, IGNORE, O, O, LOC, IGNORE, O, IGNORE, IGNORE]
+    per_b, per_i, out, loc = 1, 2, 0, 3              # label ids: B-PER, I-PER, O, B-LOC
+    assert targets(firsts[0], [per_b, per_i, out, out, loc, out], len(seqs[0])) == \
+        [IGNORE, per_b, per_i, IGNORE, IGNORE, out, out, loc, IGNORE, out, IGNORE, IGNORE]
     # cut to 6 tokens: <bos> ed mil ##iba ##nd <eos>; "flew" onwards have no piece left
     seqs, firsts, cut = encode_words(hand_tokenizer(), [words], max_len=6)
     assert seqs == [[1, 4, 5, 6, 7, 2]] and firsts == [[1, 2, None, None, None, None]] and cut == 1

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 
 import tformer
+from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.heads import EncoderTokenClassifier
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

@@ -27,7 +27,7 @@ def easy_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def write_csv(path, rows, header=("text", "label")):
-    path.write_text(",".join(header) + "\n" + "".join(f"{t},{l}\n" for t, l in rows), encoding="utf-8")
+    path.write_text(",".join(header) + "\n" + "".join(f"{t},{label}\n" for t, label in rows), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,8 @@ def test_separate_vocabularies_are_saved_and_each_fits_its_language(trained_sepa
     source, target = load_source_tokenizer(run), load_tokenizer(run)
     config = read_config(run)
     assert config["meta"]["separate_vocab"] is True
-    assert (config["config"]["src_vocab_size"], config["config"]["vocab_size"]) == (source.vocab_size, target.vocab_size)
+    saved = config["config"]
+    assert (saved["src_vocab_size"], saved["vocab_size"]) == (source.vocab_size, target.vocab_size)
     pairs = [line.split("\t") for line in data.read_text(encoding="utf-8").splitlines()]
     french, english = [p[0] for p in pairs], [p[1] for p in pairs]
 

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from tformer.errors import DataError, TformerError
-from tformer.viz import AttentionMap, grid_shape, layout, plot_attention_grid, plot_confusion, plot_loss, \
-    write_attention_html
+from tformer.viz import (
+    AttentionMap,
+    grid_shape,
+    layout,
+    plot_attention_grid,
+    plot_confusion,
+    plot_loss,
+    write_attention_html,
+)
 
 mpimg = pytest.importorskip("matplotlib.image")
 

@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "ModelConfig": "config", "PRESETS": "config", "preset": "config",
-    "Encoder": "models", "EncoderClassifier": "heads", "EncoderTokenClassifier": "heads", "Decoder": "models", "EncoderDecoder": "models",
+    "Encoder": "models", "Decoder": "models", "EncoderDecoder": "models",
+    "EncoderClassifier": "heads", "EncoderTokenClassifier": "heads",
     "save": "checkpoint", "load": "checkpoint",
     "from_hf": "hf", "to_hf": "hf",  # need only torch + safetensors; transformers is never imported
     "TformerError": "errors", "ConfigError": "errors", "CheckpointError": "errors", "DataError": "errors",

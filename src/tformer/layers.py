@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import CrossKVCache, KVCache, MultiHeadAttention
-from .masks import Packing
 from .config import ModelConfig
 from .dropout import Dropout
 from .linear import Linear
+from .masks import Packing
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -19,9 +19,8 @@ from torch import Tensor, nn
 
 from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
-from .dropout import Dropout
-from .errors import ConfigError
 from .embeddings import Embeddings
+from .errors import ConfigError
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .masks import Packing, combine, padding_mask, self_attention_mask

@@ -56,12 +56,21 @@ import importlib
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
 
-import torch
 from torch import Tensor, nn
 
 from .errors import ConfigError
-from .options import (CHANGE, ONCE, below_one, fraction, nonneg_float, nonneg_int, option, positive_float,
-                      positive_int, tokenizer_choice)
+from .options import (
+    CHANGE,
+    ONCE,
+    below_one,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    option,
+    positive_float,
+    positive_int,
+    tokenizer_choice,
+)
 
 TASKS: dict[str, str] = {
     "lm": "tformer.tasks.lm:LMTask",

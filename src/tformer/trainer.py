@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .checkpoint import WEIGHTS, load_state, read_safetensors
 from .data import micro_batches
+from .devices import pick_device
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
@@ -26,7 +27,6 @@ from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tens
 from .rundir import FitResult, RunDir, TrainState, read_trainer_state
 from .runs import EMA as EMA_FILE
 from .runs import OPTIMIZER, RNG, checkpoint_dir
-from .devices import pick_device
 from .train import Task, TrainConfig
 
 

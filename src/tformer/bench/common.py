@@ -161,3 +161,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
     seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     seen.update({b.data_ptr(): b.numel() * b.element_size() for b in model.buffers()})
     return sum(seen.values())
+
+
+def engine_row(case: str, unit: str, ours: float, peer: float, peer_name: str, **extra) -> dict:
+    """One row of the engines bench: tformer vs a peer (ratio = tformer / peer speed)."""
+    return {"bench": "engines", "case": case, "unit": unit, "tformer": ours, "peer": peer, "peer_name": peer_name,
+            "ratio": ours / peer, **extra}
+
+
+def peer_threads() -> int:
+    """The peers run with as many threads as torch (--threads)."""
+    return torch.get_numpeer_threads()
+
+
+def pad_rows(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) ids and their 1/0 mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask

@@ -108,7 +108,8 @@ def _decode_case(ours, hf, batch, prompt, new, device, repeats, case, ceilings=N
         ceiling = batch / max(read_s, gemm_s)
         extra.update(ceiling=ceiling, read_GBps=read_gbps, utilisation=rates["tformer"] / ceiling,
                      peer_utilisation=rates["hf"] / ceiling,
-                     utilisation_name=f"of roofline (BW {read_gbps:.0f} GB/s)" if read_s >= gemm_s else "of roofline (GEMM)")
+                     utilisation_name=(f"of roofline (BW {read_gbps:.0f} GB/s)" if read_s >= gemm_s
+                                       else "of roofline (GEMM)"))
     return _row(case, "tok/s", rates["tformer"], rates["hf"], **extra)
 
 
@@ -143,7 +144,8 @@ def _int8_case(ours, hf_bf16, new, device, repeats, name, ceilings, probe) -> di
     from ..quant import quantize_int8
 
     quantize_int8(ours)
-    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings, 1.5,
+    row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings,
+                       1.5,
                        probe)
     row["peer_name"] = "HF generate bf16"
     return row

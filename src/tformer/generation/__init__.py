@@ -17,10 +17,18 @@ Generation reaches a model only through `model.step`, `model.encode`, `model.new
 from __future__ import annotations
 
 from .decoding import generate, stream
-from .processors import (apply_repetition_penalty, apply_temperature, greedy, min_p_filter, process_logits,
-                         sample, top_k_filter, top_p_filter)
-from .stopping import TextStream, sequence_hits
+from .processors import (
+                         apply_repetition_penalty,
+                         apply_temperature,
+                         greedy,
+                         min_p_filter,
+                         process_logits,
+                         sample,
+                         top_k_filter,
+                         top_p_filter,
+)
 from .settings import eos_ids
+from .stopping import TextStream, sequence_hits
 from .text import prompt_ids, stream_text, windowed
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Logits processors: small pure functions over a batch of next-token logits (B, V).
+r"""Logits processors: small pure functions over a batch of next-token logits (B, V).
 
 Generation turns the logits at the last position into a distribution and picks a token:
 

@@ -19,8 +19,17 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..heads import EncoderTokenClassifier
 from ..models import Encoder
-from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
-                     settings, token_id)
+from .keymap import (
+    ACT_TO_HF,
+    STANDARD_ATTENTION,
+    Rule,
+    hf_activation,
+    layer_rules,
+    mismatches,
+    refuse_unless,
+    settings,
+    token_id,
+)
 
 MODEL_TYPE = "bert"
 ARCHITECTURE = "BertModel"

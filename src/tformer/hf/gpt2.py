@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..models import Decoder
-from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, refuse_unless,
-                     settings, token_id)
+from .keymap import (
+    ACT_TO_HF,
+    STANDARD_ATTENTION,
+    Rule,
+    hf_activation,
+    layer_rules,
+    mismatches,
+    refuse_unless,
+    settings,
+    token_id,
+)
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"

@@ -72,7 +72,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                 hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                 tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-                attention_dropout=cfg.attention_dropout, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                attention_dropout=cfg.attention_dropout,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                 pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
 
 

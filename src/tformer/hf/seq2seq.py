@@ -9,8 +9,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models import EncoderDecoder
-from .keymap import (ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, settings,
-                     token_id)
+from .keymap import ACT_TO_HF, STANDARD_ATTENTION, Rule, hf_activation, layer_rules, mismatches, settings, token_id
 
 PREFIX = "model."
 EXPORT_PREFIX = PREFIX
@@ -119,8 +118,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
                 vocab_size=cfg.vocab_size, d_model=cfg.d_model, max_position_embeddings=cfg.max_seq_len,
                 encoder_layers=cfg.n_layers, decoder_layers=cfg.decoder_layers, encoder_attention_heads=cfg.n_heads,
                 decoder_attention_heads=decoder.n_heads, encoder_ffn_dim=cfg.ffn_dim, decoder_ffn_dim=decoder.ffn_dim,
-                activation_function=ACT_TO_HF[cfg.activation], dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-                activation_dropout=cfg.ffn_dropout, scale_embedding=cfg.embed_scale, tie_word_embeddings=cfg.tie_embeddings,
+                activation_function=ACT_TO_HF[cfg.activation], dropout=cfg.dropout,
+                attention_dropout=cfg.attention_dropout, activation_dropout=cfg.ffn_dropout,
+                scale_embedding=cfg.embed_scale, tie_word_embeddings=cfg.tie_embeddings,
                 pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                 forced_eos_token_id=None, decoder_start_token_id=start)
 

@@ -28,6 +28,7 @@ from .responses import ChatFormat, CompletionFormat
 from .scheduler import Event, QueueFull, Sampling, Scheduler, Sequence
 from .schemas import MAX_INPUTS, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, Sampled
 from .served import Served
+
 GENERATES = ("decoder", "encoder-decoder")
 
 

@@ -23,8 +23,16 @@ from ..heads import EncoderClassifier
 from ..options import below_one, option, positive_int
 from ..tokenizers import make_tokenizer
 from ..train import TrainOptions
-from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
-                     model_config, pad, warn)
+from .common import (
+    arg,
+    dropout_overrides,
+    length_batches,
+    length_grouped_rows,
+    load_pretrained_encoder,
+    model_config,
+    pad,
+    warn,
+)
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the HF
 # reference; on 12k short sentences a bigger model only overfits sooner.
@@ -147,7 +155,8 @@ class ClassifyTask:
         data = load_data(self.data_name, *self.columns, errors=opts.errors)
         self.label_names = sorted(set(data.labels))
         if len(self.label_names) < 2:
-            raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); classification needs two or more")
+            raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); "
+                            "classification needs two or more")
         label_id = {name: i for i, name in enumerate(self.label_names)}
         train_idx, val_idx = split(data, self.val_fraction, self.seed)
         unseen = sorted(set(data.labels[i] for i in val_idx) - set(data.labels[i] for i in train_idx))

@@ -35,8 +35,16 @@ from ..heads import EncoderTokenClassifier
 from ..options import option, positive_int
 from ..tokenizers import Tokenizer, check_text, make_tokenizer
 from ..train import TrainOptions
-from .common import (arg, dropout_overrides, length_batches, length_grouped_rows, load_pretrained_encoder,
-                     model_config, pad, warn)
+from .common import (
+    arg,
+    dropout_overrides,
+    length_batches,
+    length_grouped_rows,
+    load_pretrained_encoder,
+    model_config,
+    pad,
+    warn,
+)
 
 # The default shape (when --preset is not given): as for classification, the 2-layer, width-128 BERT;
 # 2,400 tweets are too few for more.
@@ -135,7 +143,8 @@ def label_names(model: EncoderTokenClassifier) -> list[str]:
     return model.labels or [str(i) for i in range(model.num_labels)]
 
 
-def decode(sentences: list[list[str]], per_sentence: list[tuple[Tensor, list[int]]], names: list[str]) -> list[list[str]]:
+def decode(sentences: list[list[str]], per_sentence: list[tuple[Tensor, list[int]]],
+           names: list[str]) -> list[list[str]]:
     """One label per word, the best at its first piece; words past max_len (or without a piece) get O."""
     out = []
     for words, (logits, covered) in zip(sentences, per_sentence):

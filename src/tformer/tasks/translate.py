@@ -16,8 +16,8 @@ Sequences (one shared BPE vocabulary for both languages, so the embedding is sha
 from __future__ import annotations
 
 import random
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -195,8 +195,9 @@ class TranslateTask:
         self.train_src = self.train_tgt = None
         if train is not None:
             self.train_src, self.train_tgt = encode_pairs(tokenizer, train[0], train[1], self.max_len, source_tokenizer)
-            self.by_length = sorted(range(len(self.train_src)), key=lambda i: len(self.train_src[i]) + len(self.train_tgt[i]))
-            cut = sum(len(s) >= self.max_len for s in self.train_src) + sum(len(t) >= self.max_len for t in self.train_tgt)
+            src, tgt = self.train_src, self.train_tgt
+            self.by_length = sorted(range(len(src)), key=lambda i: len(src[i]) + len(tgt[i]))
+            cut = sum(len(s) >= self.max_len for s in src) + sum(len(t) >= self.max_len for t in tgt)
             if cut:
                 warn(f"{cut} training sentences are longer than {self.max_len} tokens and were cut")
 

@@ -203,9 +203,11 @@ class Printer:
             self.line(2, f"[gate; up] = x W_1 ({act})", self.shape(up.output, f"B {L} 2·d_ff"),
                       self.vec(up.output[0, i], "h_i="))
             gate = "silu" if act == "swiglu" else "gelu"
-            self.line(2, f"{gate}(gate) ⊙ up", self.shape(down.args[0], f"B {L} d_ff"), self.vec(down.args[0][0, i], "a_i="))
+            self.line(2, f"{gate}(gate) ⊙ up", self.shape(down.args[0], f"B {L} d_ff"),
+                      self.vec(down.args[0][0, i], "a_i="))
         else:
-            self.line(2, "h = x W_1 + b_1 (up)", self.shape(up.output, f"B {L} d_ff"), self.vec(up.output[0, i], "h_i="))
+            self.line(2, "h = x W_1 + b_1 (up)", self.shape(up.output, f"B {L} d_ff"),
+                      self.vec(up.output[0, i], "h_i="))
             self.line(2, f"{act}(h)", self.shape(down.args[0], f"B {L} d_ff"), self.vec(down.args[0][0, i], "a_i="))
         self.line(2, "W_2 (down) back to D", self.shape(down.output, f"B {L} D"), self.vec(down.output[0, i], "f_i="))
 
