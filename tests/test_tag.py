@@ -128,7 +128,7 @@ def hand_tokenizer():
 
 def test_subword_alignment_by_hand():
     """The first piece of each word carries its label; later pieces, [bos] and [eos] are ignored."""
-    from tformer.tasks.tag import IGNORE, encode_words, targets
+    from tformer.tasks.words import IGNORE, encode_words, targets
 
     words = ["Ed", "Miliband", "flew", "to", "Paris", "'s"]
     #          <bos> ed mil ##iba ##nd flew to par ##is ' s <eos>
@@ -156,7 +156,7 @@ def test_entity_spans_follow_seqeval():
     ill-formed ones (I- after O, type changes) included."""
     from seqeval.metrics.sequence_labeling import get_entities
 
-    from tformer.tasks.tag import entity_spans
+    from tformer.tasks.words import entity_spans
 
     rng = random.Random(0)
     tags = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

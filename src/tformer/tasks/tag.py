@@ -20,7 +20,6 @@ rebuild it, so `tformer eval --model RUN` scores the sentences the run never tra
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ from ..data import split_rows, step_generator
 from ..errors import ConfigError, DataError
 from ..heads import EncoderTokenClassifier
 from ..options import option, positive_int
-from ..tokenizers import Tokenizer, check_text, make_tokenizer
+from ..tokenizers import Tokenizer, make_tokenizer
 from ..train import TrainOptions
 from .common import (
     arg,
@@ -45,19 +44,13 @@ from .common import (
     pad,
     warn,
 )
+from .words import IGNORE, encode_words, format_entities, targets
 
 # The default shape (when --preset is not given): as for classification, the 2-layer, width-128 BERT;
 # 2,400 tweets are too few for more.
 DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, d_ff=512, max_seq_len=128, dropout=0.1)
 DEFAULT_VOCAB = 8000
 DEFAULT_MAX_LEN = 128
-IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
-
-# How `tformer tag` cuts a text into words: runs that start with a letter, digit, @ or # and end with
-# a letter, digit or / (so "Paris," is "Paris" + ",", while @names, #tags and URLs stay whole), and
-# runs of other punctuation.
-WORD = re.compile(r"[\w@#]\S*[\w/]|[\w@#]|[^\w\s]+")
-
 
 def load_data(data: str | None, errors: str = "strict") -> corpora.TaggedSentences:
     """The built-in corpus by name, or the user's CoNLL file."""
@@ -81,45 +74,6 @@ def label_set(labels: list[list[str]]) -> list[str]:
     """The labels of the data, O first (id 0, as in Hugging Face's NER models), then sorted."""
     names = {t for sentence in labels for t in sentence}
     return sorted(names, key=lambda name: (name != "O", name))
-
-
-def split_words(text: str) -> list[str]:
-    return WORD.findall(text)
-
-
-def encode_words(tokenizer: Tokenizer, sentences: list[list[str]],
-                 max_len: int) -> tuple[list[list[int]], list[list[int | None]], int]:
-    """[bos] + the words' pieces + [eos], cut to max_len, and for each word the position of its first
-    piece (None: the word has no piece, or it was cut off). Returns also how many sentences were cut."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    room = max_len - len(bos) - len(eos)
-    seqs, firsts, cut = [], [], 0
-    try:
-        encodings = tokenizer.hf.encode_batch(sentences, is_pretokenized=True, add_special_tokens=False)
-    except TypeError:  # text that is not UTF-8 (stdin, arguments): say which byte
-        for words in sentences:
-            check_text(" ".join(words))
-        raise
-    for words, enc in zip(sentences, encodings):
-        word_ids = enc.word_ids[:room]
-        cut += len(enc.ids) > room
-        first: list[int | None] = [None] * len(words)
-        for j, w in enumerate(word_ids):
-            if w is not None and (j == 0 or word_ids[j - 1] != w):
-                first[w] = len(bos) + j
-        seqs.append(bos + enc.ids[:room] + eos)
-        firsts.append(first)
-    return seqs, firsts, cut
-
-
-def targets(first: list[int | None], label_ids: list[int], length: int) -> list[int]:
-    """Per-position targets: the word's label at its first piece, IGNORE everywhere else."""
-    out = [IGNORE] * length
-    for position, label in zip(first, label_ids):
-        if position is not None:
-            out[position] = label
-    return out
 
 
 @torch.no_grad()
@@ -181,35 +135,6 @@ def check_labels(data: corpora.TaggedSentences, known: list[str], source: str) -
             if label not in allowed:
                 raise DataError(f"{source}:{line}: label {label!r} was not in the model's training data "
                                 f"(it knows {', '.join(known)})")
-
-
-def entity_spans(tags: list[str]) -> list[tuple[int, int, str]]:
-    """(start, end, type) of each entity, end exclusive, by the conlleval rules that seqeval's default
-    mode follows: an entity starts at B-X, or at an I-X that does not continue an X."""
-    spans: list[tuple[int, int, str]] = []
-    for i, tag in enumerate(tags):
-        kind, _, type_ = tag.partition("-")
-        continues = kind == "I" and spans and spans[-1][1] == i and spans[-1][2] == type_
-        if continues:
-            spans[-1] = (spans[-1][0], i + 1, type_)
-        elif kind in ("B", "I"):
-            spans.append((i, i + 1, type_))
-    return spans
-
-
-def format_entities(words: list[str], tags: list[str]) -> str:
-    """The words with each entity bracketed and typed: "[Ed Miliband](person) 's odds"."""
-    starts = {start: (end, type_) for start, end, type_ in entity_spans(tags)}
-    out, i = [], 0
-    while i < len(words):
-        if i in starts:
-            end, type_ = starts[i]
-            out.append(f"[{' '.join(words[i:end])}]({type_})")
-            i = end
-        else:
-            out.append(words[i])
-            i += 1
-    return " ".join(out)
 
 
 @dataclass
