@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tformer.bench import engines, onnx_peer
-from tformer.bench.common import from_hf_model, hf_gpt2
+from tformer.bench.common import from_hf_model, hf_gpt2, pad_rows
 
 needs_ct2 = pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="ctranslate2 not installed")
 needs_ort = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("onnxruntime", "onnx")),
@@ -59,14 +59,14 @@ def test_ctranslate2_beam_search_equals_tformer_and_hf_on_a_marian_model(tmp_pat
                                                           "pad_token": "<pad>"})
     g = torch.Generator().manual_seed(1)
     sources = [torch.randint(2, 100, (k,), generator=g).tolist() + [0] for k in (5, 9, 7)]
-    ids, mask = engines._pad(sources, 100)
+    ids, mask = pad_rows(sources, 100)
     ours_out = [s[1:].tolist() for s in ours.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=6,
                                                        eos_token_id=[])]
     name_of = engines.numbered_tokenizer(101, names).id_to_token
     peer = engines.ct2_beam(ctranslate2.Translator(paths["fp32"], device="cpu"),
                             [[name_of(i) for i in s] for s in sources], 6, 16)
     assert [[name_of(i) for i in s] for s in ours_out] == peer
-    assert engines._same_as_hf_beam(hf, sources, ours_out, 100, 6)
+    assert engines.same_as_hf_beam(hf, sources, ours_out, 100, 6)
 
 
 @needs_ort

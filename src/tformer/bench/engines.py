@@ -202,14 +202,14 @@ def marian_rows(quick: bool) -> list[dict]:
             same = sum([name_of(i) for i in a] == b for a, b in zip(out["ours"], out["peer"])) / n
             extra = {"same_output": same, "target": 1.3 if dtype == "fp32" else 1.0}
             if dtype == "fp32":
-                extra["same_as_hf"] = _same_as_hf_beam(hf, batches[0], out["ours"][:len(batches[0])], pad, new)
+                extra["same_as_hf"] = same_as_hf_beam(hf, batches[0], out["ours"][:len(batches[0])], pad, new)
             rows.append(engine_row(f"Marian 6+6/512/V32k {n} sent. beam 4 b{batch} {dtype}" if not quick else
                              f"Marian 2+2/512/V32k {n} sent. beam 4 b{batch} {dtype}", "sent/s",
                              n / times["tformer"], n / times["peer"], f"CTranslate2 {dtype}", **extra))
     return rows
 
 
-def _same_as_hf_beam(hf, batch: list[list[int]], ours: list[list[int]], pad: int, new: int) -> bool:
+def same_as_hf_beam(hf, batch: list[list[int]], ours: list[list[int]], pad: int, new: int) -> bool:
     ids, mask = pad_rows(batch, pad)
     with torch.inference_mode():
         seqs = hf.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=new, min_new_tokens=new,
