@@ -2,8 +2,11 @@
 last checkpoint: after every kill each visible checkpoint loads (checksums verified), and
 `--resume` carries the run to the end, reaching the same weights as a run never interrupted.
 
-The training runs in a forked child process (the test process has torch imported already, so a
-trial costs milliseconds instead of seconds of imports); SIGKILL gives it no chance to clean up.
+The training runs in a child process forked from a fork server that has tformer's training code
+imported already (a trial costs milliseconds instead of seconds of imports), not from the test
+process itself: that one may have started thread pools (OpenMP, a peer engine's) in earlier tests,
+and a child forked from a process with live thread pools can hang. SIGKILL gives the child no
+chance to clean up.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def train_argv(data: Path, out: Path) -> list[str]:
 
 def _child(argv: list[str]) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)           # as the reference run in the test process (conftest.py)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -48,7 +52,9 @@ def steps_on_disk(run: Path) -> list[int]:
 
 
 def start(argv: list[str]):
-    proc = multiprocessing.get_context("fork").Process(target=_child, args=(argv,))
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tformer.cli", "tformer.trainer", "tformer.tasks.lm"])
+    proc = ctx.Process(target=_child, args=(argv,))
     proc.start()
     return proc
 
