@@ -284,3 +284,16 @@ def test_each_option_is_defined_once_and_its_flag_derived():
         if f.metadata and f.metadata["flag_default"] is not None:  # None: the task decides (--ema, --keep-best)
             assert args[f.name] == getattr(defaults, f.name), f.name
     assert {f.name for f in fields(ClassifyOptions)} - {"beta1", "beta2"} <= set(args)
+
+
+def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch):
+    """--precision auto (the default) = bf16 autocast on hardware with bf16 units, fp32 elsewhere."""
+    from tformer import devices
+    from tformer.train import TrainConfig
+
+    assert TrainConfig(out="unused").precision == "auto"
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, expected in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert devices.native_bf16(cpu) is expected

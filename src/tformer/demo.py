@@ -15,13 +15,14 @@ import sys
 import time
 
 # The recipe (chosen by measurement; see BENCHMARKS.md, "Demo"): the default preset `small` (4 layers,
-# width 256, context 128), bf16 autocast, AdamW with lr 2e-3, warm-up then cosine over the budget;
+# width 256, context 128), bf16 autocast where the CPU has it (else fp32), AdamW with lr 2e-3, warm-up
+# then cosine over the budget;
 # dropout 0.1 but none on attention weights (it costs a quarter of the step time); batch 24
 # (more, smaller steps in the 5 minutes); validation on a moving average of the weights (--ema).
 RECIPE = dict(task="lm", data="hamlet", preset="small", tokenizer="char", vocab_size=2000, context=None,
               dropout=0.1, attn_dropout=0.0, val_fraction=0.1, init=None, batch_size=24, seed=1337, prompt="HAMLET:\n")
 TRAIN = dict(time_budget=300.0, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, grad_clip=1.0,
-             precision="bf16", eval_every=250, save_every=1000, log_every=10, ema=0.99,
+             precision="auto", eval_every=250, save_every=1000, log_every=10, ema=0.99,
              keep_best=True)
 SAMPLES = [  # (what, generation settings)
     ("temperature 0.8, top-k 50", dict(temperature=0.8, top_k=50, top_p=None)),

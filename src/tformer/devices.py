@@ -52,3 +52,13 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 itself: a GPU with bf16 units, or a CPU with AVX-512 BF16 or
+    AMX. Elsewhere bf16 is emulated and far slower than fp32 (BENCHMARKS.md, "bf16 on an AVX2 CPU")."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False

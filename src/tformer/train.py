@@ -131,8 +131,11 @@ class TrainConfig:
     skip_nonfinite: int = option(
         0, "skip up to N steps whose loss or gradient is NaN/inf (no update) before stopping; the default 0 stops "
         "at the first, keeping the last good checkpoint", resume=CHANGE, type=nonneg_int, metavar="N")
-    # bf16 autocast: matmuls in bfloat16, master weights in fp32
-    precision: str = option("bf16", "bf16 autocast (default) or fp32", choices=("fp32", "bf16"))
+    # bf16 autocast: matmuls in bfloat16, master weights in fp32. Only where the hardware computes
+    # bf16 itself: a CPU without AVX-512 BF16 / AMX emulates it, 25x slower than fp32 (BENCHMARKS.md).
+    precision: str = option("auto", "bf16 autocast where the device computes bf16 natively (a recent GPU, a CPU "
+                            "with AVX-512 BF16 or AMX), else fp32 (default: auto); or force bf16 / fp32",
+                            choices=("auto", "fp32", "bf16"))
     eval_every: int = option(250, "validate (and print a sample) every N steps", resume=CHANGE, type=positive_int)
     save_every: int = option(1000, "checkpoint every N steps (and at the end)", resume=CHANGE, type=positive_int)
     keep: int = option(3, "checkpoints to keep (default 3)", resume=CHANGE, type=positive_int)  # older ones go
@@ -160,8 +163,8 @@ class TrainConfig:
     def check(self) -> None:
         if self.max_steps is None and self.time_budget is None:
             raise ConfigError("give --max-steps or --time-budget (or both)")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--precision {self.precision!r}: choose auto, fp32 or bf16")
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by --grad-accum {self.grad_accum}")
         if not 0.0 <= self.ema < 1.0:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .checkpoint import WEIGHTS, load_state, read_safetensors
 from .data import micro_batches
-from .devices import pick_device
+from .devices import native_bf16, pick_device
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
@@ -42,6 +42,7 @@ class Trainer:
         self.dist = Dist(cfg.device)
         self.run_dir = RunDir(cfg.out, self.dist)
         self.device: torch.device | None = None
+        self.bf16 = False                  # bf16 autocast (--precision, resolved on the device)
         self.state = TrainState()
         self.plain: nn.Module | None = None   # the model itself (what is saved)
         self.model: nn.Module | None = None   # ... as trained: DDP- or FSDP-wrapped under torchrun
@@ -55,6 +56,7 @@ class Trainer:
     def _build(self, resume: str | None) -> None:
         cfg = self.cfg
         self.device = pick_device(cfg.device, self.dist.local_rank)
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16(self.device))
         torch.manual_seed(cfg.seed)
         self.plain = self.task.build_model()
         opt_saved, ema_saved = None, None
@@ -178,7 +180,7 @@ class Trainer:
         loss_sum = 0.0
         for i, micro in enumerate(micros):
             with grad_sync(self.model, self.dist, self.cfg.fsdp, last=i == len(micros) - 1):
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
                     loss = self.task.loss(self.train_model, micro) / len(micros)
                 loss.backward()
