@@ -34,6 +34,10 @@ from ..heads import EncoderTokenClassifier
 from ..options import option, positive_int
 from ..tokenizers import Tokenizer, make_tokenizer
 from ..train import TrainOptions
+
+# The default shape (when --preset is not given), vocabulary and length are classification's (the
+# 2-layer, width-128 BERT): 2,400 tweets are too few for more.
+from .classify import DEFAULT_MAX_LEN, DEFAULT_MODEL, DEFAULT_VOCAB
 from .common import (
     arg,
     dropout_overrides,
@@ -46,11 +50,6 @@ from .common import (
 )
 from .words import IGNORE, encode_words, format_entities, targets
 
-# The default shape (when --preset is not given): as for classification, the 2-layer, width-128 BERT;
-# 2,400 tweets are too few for more.
-DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, d_ff=512, max_seq_len=128, dropout=0.1)
-DEFAULT_VOCAB = 8000
-DEFAULT_MAX_LEN = 128
 
 def load_data(data: str | None, errors: str = "strict") -> corpora.TaggedSentences:
     """The built-in corpus by name, or the user's CoNLL file."""
