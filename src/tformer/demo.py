@@ -1,10 +1,8 @@
 """`make demo` (= python -m tformer.demo): train a character-level GPT on Hamlet for a few minutes,
 then write with it.
 
-The same run from the command line:
-    tformer train --data hamlet --preset small --tokenizer char --time-budget 300 --batch-size 24 \
-        --lr 2e-3 --dropout 0.1 --attn-dropout 0 --ema 0.99 --keep-best --warmup 100 --eval-every 250 --seed 1337 \
-        --prompt "HAMLET:" --out runs/demo-...
+The same run from the command line (`tformer train` on hamlet takes the same recipe by default):
+    tformer train --time-budget 300 --seed 1337 --prompt "HAMLET:" --out runs/demo-...
 """
 
 from __future__ import annotations
@@ -14,16 +12,8 @@ import os
 import sys
 import time
 
-# The recipe (chosen by measurement; see BENCHMARKS.md, "Demo"): the default preset `small` (4 layers,
-# width 256, context 128), bf16 autocast where the CPU has it (else fp32), AdamW with lr 2e-3, warm-up
-# then cosine over the budget;
-# dropout 0.1 but none on attention weights (it costs a quarter of the step time); batch 24
-# (more, smaller steps in the 5 minutes); validation on a moving average of the weights (--ema).
-RECIPE = dict(task="lm", data="hamlet", preset="small", tokenizer="char", vocab_size=2000, context=None,
-              dropout=0.1, attn_dropout=0.0, val_fraction=0.1, init=None, batch_size=24, seed=1337, prompt="HAMLET:\n")
-TRAIN = dict(time_budget=300.0, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1, grad_clip=1.0,
-             precision="auto", eval_every=250, save_every=1000, log_every=10, ema=0.99,
-             keep_best=True)
+# What the demo sets itself; the rest is `tformer train`'s recipe for hamlet (tformer.tasks.lm.HAMLET).
+DEMO = dict(task="lm", data="hamlet", time_budget=300.0, seed=1337, prompt="HAMLET:\n")
 SAMPLES = [  # (what, generation settings)
     ("temperature 0.8, top-k 50", dict(temperature=0.8, top_k=50, top_p=None)),
     ("temperature 1.0, top-p 0.9", dict(temperature=1.0, top_k=None, top_p=0.9)),
@@ -34,28 +24,29 @@ SAMPLES = [  # (what, generation settings)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tformer.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--time-budget", type=float, default=TRAIN["time_budget"], help="training seconds (default 300)")
+    p.add_argument("--time-budget", type=float, default=DEMO["time_budget"], help="training seconds (default 300)")
     p.add_argument("--out", default=None, help="run directory (default runs/demo-<date>-<time>)")
     opts = p.parse_args(argv)
 
     from tformer.errors import TformerError
     from tformer.options import pick
     from tformer.tasks.lm import LMOptions, LMTask, sample_text
-    from tformer.train import TrainConfig
+    from tformer.train import TrainConfig, describe_recipe, resolve_options
     from tformer.trainer import fit
 
     t0 = time.perf_counter()
     out = opts.out or os.path.join("runs", f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    values = {**RECIPE, **TRAIN, "time_budget": opts.time_budget, "out": out}
+    values, chosen = resolve_options(LMTask, {**DEMO, "time_budget": opts.time_budget, "out": out})
     args = pick(LMOptions, values)
     try:
         task = LMTask(args)
         cfg = pick(TrainConfig, values)
         print(f"tformer demo: a {task.cfg.n_layers}-layer, width-{task.cfg.d_model} GPT learns Hamlet character "
               f"by character ({len(task.train_ids):,} training / {len(task.val_ids):,} validation characters, "
-              f"vocabulary {task.tokenizer.vocab_size}) for {opts.time_budget:.0f} s.", flush=True)
+              f"vocabulary {task.tokenizer.vocab_size}) for {opts.time_budget:.0f} s.\n"
+              f"recipe: {describe_recipe(chosen)}", flush=True)
         result = fit(task, cfg, command=[sys.executable, "-m", "tformer.demo", *(argv or sys.argv[1:])],
-                     args={**RECIPE, "out": out})
+                     args={k: v for k, v in values.items() if k in vars(args)})
     except TformerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

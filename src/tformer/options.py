@@ -61,16 +61,16 @@ seed = number(int, 0, 2**63 - 1, what="a non-negative integer")  # torch.manual_
 
 
 def tokenizer_choice(text: str) -> str:
-    """char, bpe, wordpiece, or a tokenizer.json file (or a directory holding one)."""
+    """char, bpe, wordpiece, bert-uncased (shipped), or a tokenizer.json file (or a directory holding one)."""
     from pathlib import Path
 
-    if text in ("char", "bpe", "wordpiece"):
+    if text in ("char", "bpe", "wordpiece", "bert-uncased"):
         return text
     path = Path(text)
     if path.is_file() or (path / "tokenizer.json").is_file():
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe nor wordpiece, nor a tokenizer.json file "
-                                     "(or a directory with one)")
+    raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe, wordpiece nor bert-uncased, nor a "
+                                     "tokenizer.json file (or a directory with one)")
 
 
 def option(default: Any = MISSING, help: str | None = None, *, resume: str = FIXED, flag: str | None = None,

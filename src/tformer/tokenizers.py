@@ -10,6 +10,12 @@ Two kinds are trained from data, both with the HF `tokenizers` library:
         words cut into learned pieces (##suffixes). Does not round-trip (case is lost), but for
         classifying short texts it shares more statistics between "Great"/"great" and "film,"/"film".
 
+One is shipped ready-made:
+
+  bert-uncased  BERT's uncased WordPiece vocabulary (30,522 pieces; the one bert-base-uncased and
+        all-MiniLM-L6-v2 use, Apache-2.0, `assets/bert-uncased.json`): pieces learned from a large
+        corpus, which a small labelled data set cannot learn itself.
+
 Any other `tokenizer.json` (e.g. a BERT WordPiece one) loads with `Tokenizer.from_file`.
 Special tokens: `<pad>`, `<bos>`, `<eos>` (ids 0, 1, 2) in both trained kinds; in a char tokenizer
 they are ordinary vocabulary entries that no single character can produce, so text containing the
@@ -25,6 +31,7 @@ from typing import Iterable
 from .errors import CheckpointError, DataError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
+SHIPPED = {"bert-uncased": Path(__file__).parent / "assets" / "bert-uncased.json"}  # --tokenizer NAME
 UNK = "<unk>"
 # Names other tokenizers use for the same roles, tried in order when loading a tokenizer.json.
 ROLE_NAMES = {
@@ -207,15 +214,15 @@ def _guess_kind(hf) -> str:
 
 
 def make_tokenizer(choice: str, texts: list[str], vocab_size: int) -> Tokenizer:
-    """`tformer train --tokenizer CHOICE`: "char", "bpe" or "wordpiece" trained on `texts`, or a
-    tokenizer.json file (or a directory holding one, e.g. a Hugging Face model) used as it is."""
+    """`tformer train --tokenizer CHOICE`: "char", "bpe" or "wordpiece" trained on `texts`, a shipped
+    one by name ("bert-uncased"), or a tokenizer.json file (or a directory holding one, e.g. a Hugging Face model) used as it is."""
     if choice == "char":
         return Tokenizer.char("".join(texts))
     if choice == "bpe":
         return Tokenizer.train_bpe(texts, vocab_size)
     if choice == "wordpiece":
         return Tokenizer.train_wordpiece(texts, vocab_size)
-    path = Path(choice)
+    path = SHIPPED.get(choice, Path(choice))
     return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
 
 

@@ -14,7 +14,12 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
                                                # in a group titled Options.title); a flag another task
                                                # already declared is shared (the first declaration wins)
         default_data = "rotten-tomatoes"       # optional: --data when not given (LM: "hamlet")
-        default_preset = "small"               # optional: --preset when not given
+        @staticmethod
+        def recipe(data, init, time_budget) -> dict
+            # optional: the task's defaults for this data set, --init and --time-budget (seconds, or
+            # None under --max-steps), as option values ({"preset": ..., "lr": ..., "ema": ...}): its
+            # best measured recipe. A flag the user gives wins; options neither sets keep the field's
+            # default. `tformer train` prints what the recipe chose (see `resolve_options`).
         def __init__(self, opts, tokenizer=None, init=None):
             # opts: an Options instance (common fields: data, preset, tokenizer, vocab_size, context,
             #   dropout, batch_size, seed, val_fraction, init, ...).
@@ -38,7 +43,6 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
         def meta(self) -> dict                   # JSON-able; stored in config.json ("task" is added)
         best_metric = ("val_accuracy", "max")    # optional: what --keep-best maximises/minimises
                                                  # (default ("val_loss", "min"))
-        keep_best = True                         # optional: --keep-best when the flag is not given
 
 Determinism: batches depend only on (seed, step), the dropout RNG is re-seeded from (seed, step,
 rank) before each step, and the schedule depends only on the step when `--max-steps` is given, so a
@@ -53,7 +57,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, Protocol
 
 from torch import Tensor, nn
@@ -189,8 +193,9 @@ class TrainOptions(TrainConfig):
     preset: str | None = option(None, "model shape from tformer.PRESETS (default for lm: small)")
     tokenizer: str | None = option(
         None, "char: one token per character; bpe: byte-level BPE trained on the data; wordpiece: BERT-style uncased "
-        "WordPiece trained on the data; or a tokenizer.json (or a directory with one) used as it is "
-        "(default: char for lm, wordpiece for classify)", type=tokenizer_choice, metavar="{char,bpe,wordpiece,FILE}")
+        "WordPiece trained on the data; bert-uncased: BERT's own uncased WordPiece vocabulary (shipped); or a "
+        "tokenizer.json (or a directory with one) used as it is (default: the task's recipe: char for lm; "
+        "bert-uncased for classify on rotten-tomatoes, wordpiece on other data)", type=tokenizer_choice, metavar="{char,bpe,wordpiece,bert-uncased,FILE}")
     vocab_size: int | None = option(
         None, "vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000; translate: "
         "2000 for numbers-fr-en, 8000 otherwise)", type=positive_int)
@@ -206,3 +211,28 @@ class TrainOptions(TrainConfig):
     resume: str | None = option(None, "continue the run in DIR (a run or checkpoint directory)", metavar="DIR")
 
 
+
+
+def resolve_options(cls: type, given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options of a run of task class `cls`: each one `given` (not None), else what the task's
+    recipe chooses for this data set, --init and time budget, else the option field's own default.
+    Returns (values, chosen): `chosen` is the part the recipe decided, for the run to print."""
+    given = {k: v for k, v in given.items() if v is not None}
+    data = given.get("data") or getattr(cls, "default_data", "hamlet")
+    recipe = getattr(cls, "recipe", None)
+    proposed = recipe(data, given.get("init"), given.get("time_budget")) if recipe is not None else {}
+    chosen = {k: v for k, v in proposed.items() if k not in given}
+    defaults = {f.name: f.default for f in fields(cls.Options) if f.default is not MISSING}
+    return {**defaults, "data": data, **chosen, **given}, chosen
+
+
+def describe_recipe(chosen: dict[str, Any]) -> str:
+    """The recipe's choices as the flags that would set them: `--preset small --lr 0.002 ...`."""
+    def flag(name: str, value: Any) -> str:
+        name = "--" + name.replace("_", "-")
+        if value is True:
+            return name
+        if value is False:
+            return "--no-" + name[2:]
+        return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+    return " ".join(flag(k, v) for k, v in chosen.items())

@@ -4,6 +4,11 @@
     tformer train --data my.txt --tokenizer bpe --vocab-size 2000 --time-budget 600
     tformer train --resume runs/lm-20250101-120000  # continue an interrupted run
     torchrun --nproc_per_node 2 -m tformer train --max-steps 1000   # DDP (gloo on CPU, nccl on GPU)
+
+Defaults: each task brings its best measured recipe for the data set (model shape, tokenizer, learning
+rate, batch, regularisation, evaluation cadence, keep-best). The run prints what the recipe chose
+("defaults for --task lm on hamlet: --preset small --lr 0.002 ..."); any flag given overrides it, and
+the "(default ...)" below is what applies when neither sets an option.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ def register(sub) -> None:
         except ConfigError:
             continue  # a task that is not installed adds no flags; choosing it reports why
         add_flags(_Shared(p, p, name).add_argument_group(options.title), options, skip=TrainOptions)
-    p.set_defaults(func=run, _parser=p)
+    # Every option flag defaults to None, "not given": `prepare` fills it from the task's recipe for
+    # the data and time budget, else from the option field's default (tformer.train.resolve_options).
+    p.set_defaults(func=run, _parser=p, **{dest: None for dest in _option_dests(p)})
+
+
+def _option_dests(parser) -> list[str]:
+    return [a.dest for a in parser._actions if a.option_strings and a.dest not in ("help",)]
 
 
 class _Shared:
@@ -87,28 +98,18 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
 
 
 def prepare(args):
-    """(task, TrainConfig, resume checkpoint or None, arguments to save) from parsed `train` flags."""
-    from tformer.train import TrainConfig, task_class
+    """(task, TrainConfig, resume checkpoint or None, arguments to save, what the task's recipe chose)
+    from parsed `train` flags."""
+    from tformer.train import TrainConfig, resolve_options, task_class
 
     args, resume = settings(args)
     if args.max_steps is None and args.time_budget is None:
         args.time_budget = 300.0
     if args.out is None:
-        args.out = f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cls = task_class(args.task)
-    if args.preset is None:
-        args.preset = getattr(cls, "default_preset", "small")
-    if args.data is None:
-        args.data = getattr(cls, "default_data", "hamlet")
-    if args.tokenizer is None:
-        args.tokenizer = getattr(cls, "default_tokenizer", "char")
-    if args.vocab_size is None:  # None: the task picks per data set (translate)
-        args.vocab_size = getattr(cls, "default_vocab_size", None)
-    values = dict(vars(args))  # --ema / --keep-best not given (None): the task's default; saved as not given
-    if args.ema is None:
-        values["ema"] = getattr(cls, "ema", 0.0)
-    if args.keep_best is None:
-        values["keep_best"] = getattr(cls, "keep_best", False)
+        args.out = f"runs/{args.task or 'lm'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cls = task_class(args.task or "lm")
+    given = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
+    values, chosen = resolve_options(cls, given)
     cfg = pick(TrainConfig, values)
     cfg.check()
     tokenizers = {}
@@ -118,17 +119,22 @@ def prepare(args):
         source = load_source_tokenizer(resume)
         if source is not None:  # only a translator with separate vocabularies has one
             tokenizers["source_tokenizer"] = source
-    task = cls(pick(cls.Options, values), **tokenizers, init=None if resume else args.init)
+    task = cls(pick(cls.Options, values), **tokenizers, init=None if resume else values.get("init"))
     from tformer.limits import check_task
     check_task(task, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
-    saved = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
-    return task, cfg, resume, saved
+    saved = {k: v for k, v in values.items() if k in given}
+    return task, cfg, resume, saved, ({} if resume else chosen)
 
 
 def run(args) -> int:
     from tformer.trainer import fit
 
-    task, cfg, resume, saved = prepare(args)
+    from tformer.train import describe_recipe
+
+    task, cfg, resume, saved, chosen = prepare(args)
+    if chosen and os.environ.get("RANK", "0") == "0":
+        print(f"defaults for --task {task.name} on {saved['data']}: {describe_recipe(chosen)}  "
+              "(the task's recipe; any flag overrides it)", flush=True)
     result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
         return 0

@@ -33,10 +33,25 @@ class LMOptions(TrainOptions):
                                 "validation text)")
 
 
+# The recipe for the built-in hamlet (what `make demo` runs for 300 s; measured in BENCHMARKS.md, "Demo"):
+# preset `small`, AdamW at 2e-3 after 100 warm-up steps, batch 24 (more, smaller steps), dropout 0.1 but
+# none on attention weights (a quarter of the step time), validation of a weight average (--ema).
+HAMLET = dict(preset="small", batch_size=24, lr=2e-3, warmup=100, dropout=0.1, attn_dropout=0.0, ema=0.99,
+              keep_best=True, eval_every=250)
+
+
 class LMTask:
     name = "lm"
     Options = LMOptions
-    default_vocab_size = 2000
+    default_data = "hamlet"
+
+    @staticmethod
+    def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
+        """Defaults: characters as tokens (or a 2,000-piece BPE with --tokenizer bpe), preset `small`;
+        on hamlet the demo's tuned recipe."""
+        if init is not None:
+            return {}
+        return {"tokenizer": "char", "vocab_size": 2000, "preset": "small", **(HAMLET if data == "hamlet" else {})}
 
     def __init__(self, opts: LMOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         self.opts = opts

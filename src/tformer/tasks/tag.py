@@ -147,13 +147,15 @@ class TagOptions(TrainOptions):
 class TagTask:
     name = "tag"
     default_data = "wnut16"
-    default_preset = None  # DEFAULT_MODEL
-    keep_best = True       # 2,400 sentences overfit within minutes: keep the best held-out F1 (RUN/best/)
     best_metric = ("val_f1", "max")
-    # Cased WordPiece trained on the data (`--tokenizer wordpiece` means cased here): capitals are the
-    # strongest cue for a name.
-    default_tokenizer = "wordpiece"
-    default_vocab_size = DEFAULT_VOCAB
+
+    @staticmethod
+    def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
+        """2,400 sentences overfit within minutes: keep the best held-out F1 (RUN/best/). From scratch:
+        DEFAULT_MODEL and a cased WordPiece trained on the data (`--tokenizer wordpiece` means cased
+        here): capitals are the strongest cue for a name."""
+        scratch = {"tokenizer": "wordpiece", "vocab_size": DEFAULT_VOCAB} if init is None else {}
+        return {"keep_best": True, **scratch}
 
     Options = TagOptions
 
