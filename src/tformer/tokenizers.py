@@ -215,7 +215,8 @@ def _guess_kind(hf) -> str:
 
 def make_tokenizer(choice: str, texts: list[str], vocab_size: int) -> Tokenizer:
     """`tformer train --tokenizer CHOICE`: "char", "bpe" or "wordpiece" trained on `texts`, a shipped
-    one by name ("bert-uncased"), or a tokenizer.json file (or a directory holding one, e.g. a Hugging Face model) used as it is."""
+    one by name ("bert-uncased"), or a tokenizer.json file (or a directory holding one, e.g. a Hugging
+    Face model) used as it is."""
     if choice == "char":
         return Tokenizer.char("".join(texts))
     if choice == "bpe":

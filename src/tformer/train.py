@@ -190,12 +190,14 @@ class TrainOptions(TrainConfig):
     task: str = option("lm", "what to learn (default: lm, a language model)", choices=list(TASKS))
     data: str | None = option(None, "built-in corpus name (lm: hamlet) or a file (.txt; .csv/.tsv/.jsonl for "
                               "classify/translate); default: the task's built-in data")
-    preset: str | None = option(None, "model shape from tformer.PRESETS (default for lm: small)")
+    preset: str | None = option(None, "model shape from tformer.PRESETS (default: the task's recipe; lm: mini on "
+                                "hamlet, small on other text)")
     tokenizer: str | None = option(
         None, "char: one token per character; bpe: byte-level BPE trained on the data; wordpiece: BERT-style uncased "
         "WordPiece trained on the data; bert-uncased: BERT's own uncased WordPiece vocabulary (shipped); or a "
         "tokenizer.json (or a directory with one) used as it is (default: the task's recipe: char for lm; "
-        "bert-uncased for classify on rotten-tomatoes, wordpiece on other data)", type=tokenizer_choice, metavar="{char,bpe,wordpiece,bert-uncased,FILE}")
+        "bert-uncased for classify on rotten-tomatoes, wordpiece on other data)", type=tokenizer_choice,
+        metavar="{char,bpe,wordpiece,bert-uncased,FILE}")
     vocab_size: int | None = option(
         None, "vocabulary size of a trained bpe/wordpiece tokenizer (default 2000; classify: 8000; translate: "
         "2000 for numbers-fr-en, 8000 otherwise)", type=positive_int)
@@ -209,8 +211,6 @@ class TrainOptions(TrainConfig):
     val_fraction: float = option(0.1, "share of the data held out for validation (default 0.1)", type=fraction)
     init: str | None = option(None, "start from the weights (and tokenizer) of this checkpoint", metavar="DIR")
     resume: str | None = option(None, "continue the run in DIR (a run or checkpoint directory)", metavar="DIR")
-
-
 
 
 def resolve_options(cls: type, given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

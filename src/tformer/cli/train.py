@@ -7,7 +7,7 @@
 
 Defaults: each task brings its best measured recipe for the data set (model shape, tokenizer, learning
 rate, batch, regularisation, evaluation cadence, keep-best). The run prints what the recipe chose
-("defaults for --task lm on hamlet: --preset small --lr 0.002 ..."); any flag given overrides it, and
+("defaults for --task lm on hamlet: --preset mini --lr 0.004 ..."); any flag given overrides it, and
 the "(default ...)" below is what applies when neither sets an option.
 """
 
@@ -127,9 +127,8 @@ def prepare(args):
 
 
 def run(args) -> int:
-    from tformer.trainer import fit
-
     from tformer.train import describe_recipe
+    from tformer.trainer import fit
 
     task, cfg, resume, saved, chosen = prepare(args)
     if chosen and os.environ.get("RANK", "0") == "0":
