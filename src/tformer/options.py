@@ -61,15 +61,18 @@ seed = number(int, 0, 2**63 - 1, what="a non-negative integer")  # torch.manual_
 
 
 def tokenizer_choice(text: str) -> str:
-    """char, bpe, wordpiece, bert-uncased (shipped), or a tokenizer.json file (or a directory holding one)."""
+    """char, bpe, wordpiece, a shipped one by name (tformer.tokenizers.SHIPPED), or a tokenizer.json file
+    (or a directory holding one)."""
     from pathlib import Path
 
-    if text in ("char", "bpe", "wordpiece", "bert-uncased"):
+    from .tokenizers import SHIPPED
+
+    if text in ("char", "bpe", "wordpiece", *SHIPPED):
         return text
     path = Path(text)
     if path.is_file() or (path / "tokenizer.json").is_file():
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe, wordpiece nor bert-uncased, nor a "
+    raise argparse.ArgumentTypeError(f"{text!r} is neither char, bpe, wordpiece nor {', '.join(SHIPPED)}, nor a "
                                      "tokenizer.json file (or a directory with one)")
 
 
