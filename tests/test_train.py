@@ -305,6 +305,23 @@ def test_defaults_come_from_the_task_recipe_and_a_flag_overrides_them(data):
     assert cfg.lr == LMOptions.lr and chosen == {"tokenizer": "char", "vocab_size": 2000, "preset": "small"}
 
 
+def test_the_translate_recipe_differs_per_data_set_and_its_bible_preset_builds():
+    """The recipe is chosen per data set (the Bible gets its own model; other pairs the generic one),
+    a flag still wins, and the Bible's preset is a valid encoder-decoder."""
+    from tformer import PRESETS, EncoderDecoder, ModelConfig
+    from tformer.tasks.translate import TranslateTask
+    from tformer.train import resolve_options
+
+    bible, chosen = resolve_options(TranslateTask, {"data": "bible-en-es", "out": "x"})
+    numbers, _ = resolve_options(TranslateTask, {"data": "numbers-fr-en", "out": "x"})
+    own, _ = resolve_options(TranslateTask, {"data": "pairs.tsv", "out": "x", "lr": 5e-4})
+    assert chosen["preset"] == bible["preset"] != numbers["preset"] == own["preset"] is None
+    assert own["lr"] == 5e-4 and bible["lr"] != TranslateTask.Options.lr
+    model = EncoderDecoder(ModelConfig(**{**PRESETS[bible["preset"]], "vocab_size": 100}))
+    src, tgt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 5))
+    assert model(src, tgt).shape == (2, 5, 100)
+
+
 def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch):
     """--precision auto (the default) = bf16 autocast on hardware with bf16 units, fp32 elsewhere."""
     from tformer import devices
