@@ -159,7 +159,7 @@ class TranslateTask:
         batches of 64 at lr 2e-3 (exact match 0.998 in 10 minutes, BENCHMARKS.md), validated every 500
         steps. bible-en-es: preset nmt-mini without dropout (a 20-minute run sees the verses about
         twice), lr 2e-3, an average of the weights (EMA 0.995) kept as best/, and validation on 100
-        verses every 800 steps (each one costs about 40 s of the budget)."""
+        verses every 800 steps (each one costs about 30 s of the budget)."""
         if data == "numbers-fr-en":
             return {"vocab_size": 2000, "batch_size": 64, "lr": 2e-3, "eval_every": 500}
         if data == "bible-en-es":
