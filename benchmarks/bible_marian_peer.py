@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--num-beams", type=int, default=4)
     p.add_argument("--limit", type=int, default=500, help="held-out verses translated for BLEU/chrF")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the tformer recipe's)")
     a = p.parse_args()
 
     from transformers import MarianConfig, MarianMTModel
@@ -64,6 +65,8 @@ def main() -> None:
                        tie_word_embeddings=True)
     model = MarianMTModel(cfg)
     tc = pick(TrainConfig, values)
+    if a.lr is not None:
+        tc.lr = a.lr
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and native_bf16(torch.device("cpu")))
     groups = param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups],

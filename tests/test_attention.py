@@ -195,6 +195,26 @@ def test_multihead_equals_torch_nn(cross, need_weights):
         assert weights is None
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_cross_attention_of_beams_equals_torch_nn_on_the_repeated_context(need_weights):
+    """Beams of one source share its context: x has c rows per context row (beam search passes the
+    encoder output once per source). Same result as torch.nn given the context repeated per beam."""
+    torch.manual_seed(2)
+    d, h, b, c, t, s = 16, 4, 2, 3, 2, 6
+    ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
+    ours = MultiHeadAttention(d, h, cross=True).eval()
+    copy_from_nn(ours, ref)
+    x, ctx = torch.randn(b * c, t, d), torch.randn(b, s, d)
+    keep = torch.ones(b, s, dtype=torch.long)
+    keep[1, -2:] = 0
+    expected, expected_w = ref(x, ctx.repeat_interleave(c, 0), ctx.repeat_interleave(c, 0),
+                               key_padding_mask=keep.repeat_interleave(c, 0) == 0, average_attn_weights=False)
+    out, weights = ours(x, context=ctx, mask=padding_mask(keep), need_weights=need_weights)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=0)
+
+
 def test_multihead_no_mask_and_is_causal():
     torch.manual_seed(1)
     ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tformer.bench import engines, onnx_peer
-from tformer.bench.common import from_hf_model, hf_gpt2, pad_rows
+from tformer.bench.common import from_hf_model, hf_gpt2, pad_rows, peer_threads
 
 needs_ct2 = pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="ctranslate2 not installed")
 needs_ort = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("onnxruntime", "onnx")),
@@ -38,7 +38,7 @@ def test_ctranslate2_greedy_tokens_equal_tformer_from_the_same_weights(tmp_path:
     paths = engines.to_ctranslate2(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
     ids = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(0))
     want = ours.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])[:, 7:]
-    got = engines.ct2_greedy(ctranslate2.Generator(paths["fp32"], device="cpu"), ids, 12)
+    got = engines.ct2_greedy(ctranslate2.Generator(paths["fp32"], device="cpu", intra_threads=peer_threads()), ids, 12)
     assert torch.equal(got, want)
     int8 = engines.ct2_greedy(ctranslate2.Generator(paths["int8"], device="cpu", compute_type="int8"), ids, 12)
     assert int8.shape == want.shape

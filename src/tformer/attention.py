@@ -86,6 +86,24 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     return (dropout(scores.softmax(dim=-1), dropout_p) @ v.reshape(B * H, t_k, hd)).view(B, H, t_q, hd)
 
 
+def fold_copies(q: Tensor, copies: int) -> Tensor:
+    """(B·c, H, T_q, hd) -> (B, H, c·T_q, hd): c consecutive rows that attend to the same keys and
+    values (the beams of one source in cross-attention) become the query positions of one row, so K
+    and V are computed, and read, once per source rather than once per beam."""
+    if copies == 1:
+        return q
+    n, H, T, hd = q.shape
+    return q.view(n // copies, copies, H, T, hd).transpose(1, 2).reshape(n // copies, H, copies * T, hd)
+
+
+def unfold_copies(x: Tensor, copies: int) -> Tensor:
+    """The inverse of fold_copies: (B, H, c·T_q, ·) -> (B·c, H, T_q, ·)."""
+    if copies == 1:
+        return x
+    B, H, cT, d = x.shape
+    return x.view(B, H, copies, cT // copies, d).transpose(1, 2).reshape(B * copies, H, cT // copies, d)
+
+
 def _repeat_kv(x: Tensor, n_heads: int) -> Tensor:
     """(B, H_kv, T, hd) -> (B, H, T, hd): each K/V head serves H / H_kv query heads."""
     return x if x.size(1) == n_heads else x.repeat_interleave(n_heads // x.size(1), dim=1)
@@ -178,6 +196,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = self.kv_heads(self.kv_proj(context))
                 if cache is not None:
                     cache.k, cache.v = k, v
+            copies = B // k.size(0)          # beams / samples of one source share its K, V and mask
+            q = fold_copies(q, copies)
         else:
             qkv = self.qkv_proj(x)
             if packing is not None:
@@ -196,6 +216,9 @@ class MultiHeadAttention(nn.Module):
             out, weights = unfused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
         else:
             out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
+        if self.cross:
+            out = unfold_copies(out, copies)
+            weights = unfold_copies(weights, copies) if weights is not None else None
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)     # concat heads: (B, T_q, H*hd)
         if packing is not None:
             out = packing.pack(out)                                              # (B, T, ·) -> (N, ·)

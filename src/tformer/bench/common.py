@@ -171,7 +171,7 @@ def engine_row(case: str, unit: str, ours: float, peer: float, peer_name: str, *
 
 def peer_threads() -> int:
     """The peers run with as many threads as torch (--threads)."""
-    return torch.get_numpeer_threads()
+    return torch.get_num_threads()
 
 
 def pad_rows(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

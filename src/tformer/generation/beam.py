@@ -60,22 +60,25 @@ def beam_search(p: Prepared, s: Settings, batch_size: int, generator: torch.Gene
     batch_offset = torch.arange(B, device=device)[:, None] * K                   # (B, 1)
 
     for cur in range(t0, max_len):
-        logits = p.stepper.next_logits(running.view(B * K, max_len), cur).float()
-        log_probs = torch.log_softmax(logits, dim=-1)                            # (B*K, V)
-        log_probs = process_logits(log_probs, seen, do_sample=sampling, temperature=s.temperature,
-                                   top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                   repetition_penalty=s.repetition_penalty, min_tokens_to_keep=keep // K)
-        V = log_probs.size(-1)
-        scores = (log_probs.view(B, K, V) + running_scores[:, :, None]).view(B, K * V)
+        logits = p.stepper.next_logits(running.view(B * K, max_len), cur).float()   # (B*K, V)
 
         # 1-2. the best `keep` continuations over all beams of each input
-        if sampling:
-            index = torch.multinomial(scores.softmax(dim=-1), keep, generator=generator)
-            top_scores, order = scores.gather(1, index).sort(dim=-1, descending=True)
-            index = index.gather(1, order)
+        if sampling or seen is not None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            log_probs = process_logits(log_probs, seen, do_sample=sampling, temperature=s.temperature,
+                                       top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                       repetition_penalty=s.repetition_penalty, min_tokens_to_keep=keep // K)
+            V = log_probs.size(-1)
+            scores = (log_probs.view(B, K, V) + running_scores[:, :, None]).view(B, K * V)
+            if sampling:
+                index = torch.multinomial(scores.softmax(dim=-1), keep, generator=generator)
+                top_scores, order = scores.gather(1, index).sort(dim=-1, descending=True)
+                index = index.gather(1, order)
+            else:
+                top_scores, index = torch.topk(scores, keep)                     # (B, keep)
+            parent, token = index // V, index % V
         else:
-            top_scores, index = torch.topk(scores, keep)                         # (B, keep)
-        parent, token = index // V, index % V
+            top_scores, parent, token = _best_continuations(logits, running_scores, keep)
         cand = _gather(running, parent)                                          # (B, keep, T_max)
         cand[:, :, cur] = token
         ends = _ends(cand, token, cur, t0, max_len, eos, stops, s)              # (B, keep)
@@ -115,6 +118,20 @@ def beam_search(p: Prepared, s: Settings, batch_size: int, generator: torch.Gene
     R = s.num_return_sequences
     out = finished[:, :R].reshape(B * R, max_len)
     return out[:, :int(finished_len[:, :R].max())]
+
+
+def _best_continuations(logits: Tensor, running_scores: Tensor, keep: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Steps 1-2 without log-probabilities over the whole vocabulary. log p = logit - logsumexp(logits)
+    is monotonic within a beam, so each input's best `keep` (beam, token) pairs are among every beam's
+    `keep` highest logits: score those K·keep, not K·V. logits (B*K, V), running_scores (B, K) ->
+    scores, parent beams and tokens, each (B, keep), best first."""
+    B, K = running_scores.shape
+    per_beam = min(keep, logits.size(-1))
+    top_logits, top_tokens = torch.topk(logits, per_beam, dim=-1)               # (B*K, per_beam)
+    log_p = top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    scores = (log_p.view(B, K, per_beam) + running_scores[:, :, None]).view(B, K * per_beam)
+    top_scores, index = torch.topk(scores, keep)                                 # (B, keep)
+    return top_scores, index // per_beam, top_tokens.view(B, K * per_beam).gather(1, index)
 
 
 def _ends(cand: Tensor, token: Tensor, cur: int, t0: int, max_len: int, eos: Tensor | None,

@@ -48,9 +48,8 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, s: Settings
             raise ConfigError(f"the source (input_ids) has {input_ids.size(1)} tokens but the model's context is "
                               f"max_seq_len={cfg.max_seq_len} (shorten it)")
         start = cfg.decoder_start()
-        memory = model.encode(input_ids, attention_mask).repeat_interleave(copies, dim=0)       # (N, S, D)
-        if attention_mask is not None:
-            src_mask = attention_mask.repeat_interleave(copies, dim=0)
+        # (B, S, D), once per source: the `copies` rows of a source share it (cross-attention folds them)
+        memory, src_mask = model.encode(input_ids, attention_mask), attention_mask
         prompt = torch.full((input_ids.size(0) * copies, 1), start, dtype=torch.long, device=device)
         attention_mask = None
     else:
