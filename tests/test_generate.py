@@ -24,6 +24,7 @@ from tformer.generation import (
     top_p_filter,
     windowed,
 )
+from tformer.generation.beam import top_k_indices
 from tformer.tokenizers import Tokenizer
 
 lp = pytest.importorskip("transformers.generation.logits_process")
@@ -393,3 +394,15 @@ def test_windowed_restarts_from_the_last_half_context():
         window = torch.tensor([tokens[start:start + (3 if start == 0 else 4)]])
         out = model.generate(window, max_new_tokens=end - start - window.size(1), eos_token_id=[])
         assert out[0].tolist() == tokens[start:end]
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 8000), k=st.integers(1, 12), seed=st.integers(0, 2**16),
+       crowded=st.booleans())
+def test_top_k_indices_equal_torch_topk(rows, vocab, k, seed, crowded):
+    k = min(k, vocab)
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+    if crowded:      # the k best in one chunk of columns, or in the ragged end past the last full chunk
+        x[:, -k:] += 10
+        x[0, :k] += 20
+    assert torch.equal(top_k_indices(x, k), torch.topk(x, k, dim=-1).indices)

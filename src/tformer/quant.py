@@ -107,9 +107,11 @@ class Int8Linear(nn.Module):
         if rows <= INT8_MAX_ROWS and self._integer_path(x):
             # In place where it can be: a fresh (M, N) tensor costs page faults, as much as the product here.
             xf = x2.float()
-            lo, hi = torch.aminmax(xf, dim=1, keepdim=True)
-            r = torch.maximum(hi, -lo).clamp_(min=1e-30)                         # (M, 1): each row's own range
-            y = self._packed()(xf / r).mul_(r).to(x.dtype)                       # r_m·a·s_n · Σ_k (u_mk - z) q_nk
+            if rows == 1:                # one row: FBGEMM's per-tensor range is the row's own
+                y = self._packed()(xf).to(x.dtype)
+            else:                        # (abs().amax is ~10x faster than aminmax on these shapes)
+                r = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)         # (M, 1): each row's own range
+                y = self._packed()(xf / r).mul_(r).to(x.dtype)                   # r_m·a·s_n · Σ_k (u_mk - z) q_nk
         elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
