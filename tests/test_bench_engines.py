@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tformer.bench import engines, onnx_peer
-from tformer.bench.common import from_hf_model, hf_gpt2, pad_rows, peer_threads
+from tformer.bench.common import PeerProcess, from_hf_model, hf_gpt2, pad_rows, peer_threads
 
 needs_ct2 = pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None, reason="ctranslate2 not installed")
 needs_ort = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("onnxruntime", "onnx")),
@@ -38,10 +38,29 @@ def test_ctranslate2_greedy_tokens_equal_tformer_from_the_same_weights(tmp_path:
     paths = engines.to_ctranslate2(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
     ids = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(0))
     want = ours.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])[:, 7:]
-    got = engines.ct2_greedy(ctranslate2.Generator(paths["fp32"], device="cpu", intra_threads=peer_threads()), ids, 12)
-    assert torch.equal(got, want)
-    int8 = engines.ct2_greedy(ctranslate2.Generator(paths["int8"], device="cpu", compute_type="int8"), ids, 12)
-    assert int8.shape == want.shape
+    got = engines.ct2_greedy(ctranslate2.Generator(paths["fp32"], device="cpu", intra_threads=peer_threads()),
+                             ids.tolist(), 12)
+    assert torch.equal(torch.tensor(got), want)
+    int8 = engines.ct2_greedy(ctranslate2.Generator(paths["int8"], device="cpu", compute_type="int8"), ids.tolist(), 12)
+    assert torch.tensor(int8).shape == want.shape
+
+
+@needs_ct2
+def test_ctranslate2_in_its_own_process_computes_what_it_computes_here(tmp_path: Path):
+    """The bench runs CTranslate2 in a child process (PeerProcess): same tokens as tformer, and a
+    failure in the child is raised here with its message."""
+    ours = from_hf_model(hf_gpt2(2, 64, 4, 97, 64)).eval()
+    eos = {0: "<|endoftext|>"}
+    hf_dir = engines.hf_directory(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
+    ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(3))
+    want = ours.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])[:, 5:]
+    with PeerProcess(engines.ct2_peer, "generator", str(hf_dir), str(tmp_path / "ct2"), "fp32", 1) as peer:
+        assert torch.equal(torch.tensor(peer(ids.tolist(), 8)), want)
+        assert torch.equal(torch.tensor(peer(ids[:1].tolist(), 8)), want[:1])      # the child serves many calls
+        with pytest.raises(RuntimeError, match="peer process: TypeError"):
+            peer(None, 8)
+    with pytest.raises(RuntimeError, match="peer process: .*no-such-dir"):
+        PeerProcess(engines.ct2_peer, "generator", str(tmp_path / "no-such-dir"), str(tmp_path / "x"), "fp32", 1)
 
 
 @needs_ct2

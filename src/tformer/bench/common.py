@@ -1,13 +1,15 @@
 """Shared pieces of the benchmarks: timing, the machine's ceilings, and building both peers from
 the same Hugging Face weights.
 
-Method (DESIGN.md §5): every figure is a ratio of two peers timed side by side in one process, on
-the same weights, after warm-up, as the median of several repeats; the machine's own limits (GEMM
-GFLOP/s, memory read GB/s) are measured in the same run so utilisation is comparable too.
+Method (DESIGN.md §5): every figure is a ratio of two peers timed side by side, interleaved, on the
+same weights, after warm-up, as the median of several repeats; the machine's own limits (GEMM
+GFLOP/s, memory read GB/s) are measured in the same run so utilisation is comparable too. A peer
+engine with a runtime of its own (CTranslate2) runs in a process of its own (PeerProcess).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import statistics
@@ -57,6 +59,61 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: str, repeats
             sync(device)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+class PeerProcess:
+    """A peer engine loaded and run in a child process, called like a function from the parent, so
+    its calls still interleave with tformer's (interleaved_times) without sharing a process with it.
+
+    Why: CTranslate2 brings its own threading runtime; once it has run in a process, tformer's
+    decoding in that process is up to a third slower and stays so (BENCHMARKS.md, "The peers share
+    the process"), which would measure the co-tenancy, not the engines. `factory(*args)` runs in the
+    child and returns the function each call runs there; arguments and results travel by pipe."""
+
+    def __init__(self, factory: Callable[..., Callable], *args):
+        ctx = multiprocessing.get_context("spawn")        # a fresh interpreter: no torch state inherited
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve_peer, args=(child, factory, args), daemon=True)
+        self._process.start()
+        child.close()
+        self._receive()                                   # loaded (or the child's error)
+
+    def __call__(self, *args):
+        self._conn.send(args)
+        return self._receive()
+
+    def _receive(self):
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"peer process: {value}")
+        return value
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._conn.send(None)
+            self._process.join(timeout=60)
+        self._conn.close()
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve_peer(conn, factory: Callable[..., Callable], args: tuple) -> None:
+    """The child's side of PeerProcess: build the function, then run it for each call until None."""
+    try:
+        fn = factory(*args)
+        conn.send((True, None))
+    except Exception as e:                                 # reported to the parent, which raises it
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        return
+    while (call := conn.recv()) is not None:
+        try:
+            conn.send((True, fn(*call)))
+        except Exception as e:
+            conn.send((False, f"{type(e).__name__}: {e}"))
 
 
 def machine_info(device: str) -> dict:

@@ -8,7 +8,9 @@ own tools:
                      Runtime's `quantize_dynamic` (int8 weights, int8 activations) for the int8 row
 
 tformer's int8 rows are `quantize_int8` on the fp32 model. Peers run with as many threads as torch
-(`--threads`). Timing: interleaved, warmed-up runs, medians (common.interleaved_times).
+(`--threads`). Timing: interleaved, warmed-up runs, medians (common.interleaved_times); CTranslate2 is
+converted, loaded and run in a process of its own (common.PeerProcess: in tformer's process it slows
+tformer down), called from this one between tformer's runs.
 Checks: GPT-2 fp32 greedy tokens equal CTranslate2's, Marian fp32 beam-4 output equal to
 CTranslate2's (and, for one batch, to HF `generate`), embeddings' cosine to the fp32 ones.
 """
@@ -16,14 +18,25 @@ CTranslate2's (and, for one batch, to HF `generate`), embeddings' cosine to the 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from .common import ReadProbe, engine_row, from_hf_model, hf_gpt2, interleaved_times, pad_rows, peer_threads
+from .common import (
+    PeerProcess,
+    ReadProbe,
+    engine_row,
+    from_hf_model,
+    hf_gpt2,
+    interleaved_times,
+    pad_rows,
+    peer_threads,
+)
 from .onnx_peer import minilm_rows
 
 PEERS = ("ctranslate2", "onnxruntime", "onnx")          # the `bench` extra
@@ -70,28 +83,48 @@ def numbered_tokenizer(vocab: int, names: dict[int, str]):
     return Tokenizer(models.WordLevel({names.get(i, f"t{i}"): i for i in range(vocab)}, unk_token=names.get(1, "t1")))
 
 
-def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> dict[str, str]:
-    """`model` -> `to_hf` directory -> CTranslate2 models in fp32 and int8 (paths by name)."""
-    import ctranslate2
-
+def hf_directory(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> Path:
+    """`model` written by `to_hf` into tmp/hf, with a numbered tokenizer: what CTranslate2's converter reads."""
     from ..hf import to_hf
 
     hf_dir = to_hf(model, tmp / "hf", tokenizer=numbered_tokenizer(model.cfg.vocab_size, names))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                               **special}))
-    out = {}
-    for name, quantization in (("fp32", "float32"), ("int8", "int8")):
-        out[name] = str(tmp / f"ct2-{name}")
-        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(out[name], quantization=quantization)
-    return out
+    return hf_dir
 
 
-def ct2_greedy(generator, ids: torch.Tensor, new: int) -> torch.Tensor:
-    """(B, T) prompt ids -> (B, new) greedy continuation by a CTranslate2 Generator over a
+def ct2_convert(hf_dir: Path | str, out: Path | str, dtype: str) -> str:
+    """CTranslate2's TransformersConverter: the HF directory -> a CTranslate2 model in `dtype` ("fp32", "int8")."""
+    import ctranslate2
+
+    quantization = {"fp32": "float32", "int8": "int8"}[dtype]
+    return ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization)
+
+
+def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> dict[str, str]:
+    """`model` -> `to_hf` directory -> CTranslate2 models in fp32 and int8 (paths by name)."""
+    hf_dir = hf_directory(model, tmp, names, special)
+    return {dtype: ct2_convert(hf_dir, tmp / f"ct2-{dtype}", dtype) for dtype in ("fp32", "int8")}
+
+
+def ct2_peer(kind: str, hf_dir: str, out: str, dtype: str, threads: int) -> Callable:
+    """Runs in the peer process (PeerProcess): convert, load, and return the call the bench times,
+    ct2_greedy ("generator") or ct2_beam ("translator") bound to the loaded model."""
+    import ctranslate2
+
+    path = ct2_convert(hf_dir, out, dtype)
+    engine, call = {"generator": (ctranslate2.Generator, ct2_greedy),
+                    "translator": (ctranslate2.Translator, ct2_beam)}[kind]
+    return functools.partial(call, engine(path, device="cpu", compute_type=dtype.replace("fp", "float"),
+                                          intra_threads=threads))
+
+
+def ct2_greedy(generator, rows: list[list[int]], new: int) -> list[list[int]]:
+    """Prompt ids -> their `new`-token greedy continuations by a CTranslate2 Generator over a
     numbered_tokenizer vocabulary (EOS held off until `new` tokens, as tformer's eos_token_id=[])."""
-    res = generator.generate_batch([[f"t{i}" for i in row] for row in ids.tolist()], max_length=new, min_length=new,
+    res = generator.generate_batch([[f"t{i}" for i in row] for row in rows], max_length=new, min_length=new,
                                    sampling_topk=1, include_prompt_in_result=False)
-    return torch.tensor([r.sequences_ids[0] for r in res])
+    return [r.sequences_ids[0] for r in res]
 
 
 def ct2_beam(translator, sources: list[list[str]], new: int, batch: int) -> list[list[str]]:
@@ -103,64 +136,64 @@ def ct2_beam(translator, sources: list[list[str]], new: int, batch: int) -> list
 
 def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
     """Greedy decoding, 32-token prompt + 128 new tokens, batch 1 and 8, fp32 and int8."""
-    import ctranslate2
-
     from ..quant import quantize_int8
-    from .decode import bytes_per_token
 
-    shape, new = (dict(GPT2, n_layers=2), 16) if quick else (GPT2, 128)
-    repeats = 1 if quick else 3
+    shape = dict(GPT2, n_layers=2) if quick else GPT2
     ours = from_hf_model(hf_gpt2(**shape)).eval()
     models = {"fp32": ours, "int8": quantize_int8(copy.deepcopy(ours))}
     probe = ReadProbe("cpu", 256 if quick else 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         eos = {0: "<|endoftext|>"}
-        paths = to_ctranslate2(ours, Path(tmp), eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
-        for dtype, path in paths.items():
-            peer = ctranslate2.Generator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
-                                         intra_threads=peer_threads())
-            for batch in (1, 8):
-                g = torch.Generator().manual_seed(batch)
-                ids = torch.randint(1, shape["vocab"], (batch, 32), generator=g)
-                out = {}
+        hf_dir = hf_directory(ours, Path(tmp), eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
+        for dtype in ("fp32", "int8"):
+            with PeerProcess(ct2_peer, "generator", str(hf_dir), f"{tmp}/ct2-{dtype}", dtype, peer_threads()) as peer:
+                for batch in (1, 8):
+                    rows += gpt2_case(models, dtype, batch, peer, probe, quick)
+    return rows
 
-                def run_ours(m=models[dtype]):
-                    out["ours"] = m.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])[:, 32:]
 
-                def run_peer():
-                    out["peer"] = ct2_greedy(peer, ids, new)
+def gpt2_case(models: dict, dtype: str, batch: int, peer: PeerProcess, probe: ReadProbe, quick: bool) -> list[dict]:
+    """One GPT-2 row (and, for int8 at batch 1, the quantize_int8-vs-fp32 row)."""
+    from .decode import bytes_per_token
 
-                fns = {"tformer": run_ours, "peer": run_peer}
-                if dtype == "fp32" and batch == 1:
-                    fns["read"] = probe
-                if dtype == "int8" and batch == 1:     # quantize_int8 on the fp32 model vs that model itself
-                    fns["fp32"] = lambda: models["fp32"].generate(ids, max_new_tokens=new, do_sample=False,
-                                                                  eos_token_id=[])
-                times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
-                same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
-                extra = {"same_tokens": same, "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1,
-                                                         ("int8", 8): 1.2}[dtype, batch]}
-                if "read" in times:
-                    # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now.
-                    gbps = probe.gbps(times["read"])
-                    ceiling = gbps * 1e9 / bytes_per_token(ours)
-                    extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
-                                 peer_utilisation=new / times["peer"] / ceiling,
-                                 utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
-                name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
-                rows.append(engine_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
-                                 f"CTranslate2 {dtype}", **extra))
-                if "fp32" in times:
-                    rows.append(engine_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s",
-                                           new / times["tformer"],
-                                     new / times["fp32"], "tformer fp32", target=1.0))
+    new, repeats = (16, 1) if quick else (128, 3)
+    ids = torch.randint(1, models["fp32"].cfg.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(batch))
+    out = {}
+
+    def run_ours(m=models[dtype]):
+        out["ours"] = m.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])[:, 32:]
+
+    def run_peer():
+        out["peer"] = torch.tensor(peer(ids.tolist(), new))
+
+    fns = {"tformer": run_ours, "peer": run_peer}
+    if dtype == "fp32" and batch == 1:
+        fns["read"] = probe
+    if dtype == "int8" and batch == 1:     # quantize_int8 on the fp32 model vs that model itself
+        fns["fp32"] = lambda: models["fp32"].generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])
+    times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
+    same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
+    extra = {"same_tokens": same,
+             "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1, ("int8", 8): 1.2}[dtype, batch]}
+    if "read" in times:
+        # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now.
+        gbps = probe.gbps(times["read"])
+        ceiling = gbps * 1e9 / bytes_per_token(models["fp32"])
+        extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
+                     peer_utilisation=new / times["peer"] / ceiling,
+                     utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
+    name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
+    rows = [engine_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
+                       f"CTranslate2 {dtype}", **extra)]
+    if "fp32" in times:
+        rows.append(engine_row(f"{name}: quantize_int8(fp32 model) vs fp32", "tok/s", new / times["tformer"],
+                               new / times["fp32"], "tformer fp32", target=1.0))
     return rows
 
 
 def marian_rows(quick: bool) -> list[dict]:
     """Beam-4 translation of random-id sentences with an OPUS-MT-shaped Marian, batches of 16."""
-    import ctranslate2
     from transformers import MarianConfig, MarianMTModel
 
     from ..quant import quantize_int8
@@ -179,12 +212,10 @@ def marian_rows(quick: bool) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         names = {eos: "</s>", 1: "<unk>", pad: "<pad>"}
-        paths = to_ctranslate2(ours, Path(tmp), names, {"eos_token": "</s>", "unk_token": "<unk>",
-                                                        "pad_token": "<pad>"})
+        hf_dir = hf_directory(ours, Path(tmp), names, {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"})
         name_of = numbered_tokenizer(vocab, names).id_to_token
-        for dtype, path in paths.items():
-            peer = ctranslate2.Translator(path, device="cpu", compute_type=dtype.replace("fp", "float"),
-                                          intra_threads=peer_threads())
+        for dtype in ("fp32", "int8"):
+            peer = PeerProcess(ct2_peer, "translator", str(hf_dir), f"{tmp}/ct2-{dtype}", dtype, peer_threads())
             out: dict[str, list] = {}
 
             def run_ours(m=models[dtype]):
@@ -195,10 +226,11 @@ def marian_rows(quick: bool) -> list[dict]:
                     out["ours"] += [s[1:].tolist() for s in seqs]             # without the start token
 
             def run_peer():
-                out["peer"] = ct2_beam(peer, [[name_of(i) for i in s] for s in sources], new, batch)
+                out["peer"] = peer([[name_of(i) for i in s] for s in sources], new, batch)
 
-            times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
-                                      repeats=1 if quick else 3, warmup=1)
+            with peer:
+                times = interleaved_times({"tformer": run_ours, "peer": run_peer}, "cpu",
+                                          repeats=1 if quick else 3, warmup=1)
             same = sum([name_of(i) for i in a] == b for a, b in zip(out["ours"], out["peer"])) / n
             extra = {"same_output": same, "target": 1.3 if dtype == "fp32" else 1.0}
             if dtype == "fp32":
