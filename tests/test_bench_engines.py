@@ -54,13 +54,14 @@ def test_ctranslate2_in_its_own_process_computes_what_it_computes_here(tmp_path:
     hf_dir = engines.hf_directory(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
     ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(3))
     want = ours.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])[:, 5:]
-    with PeerProcess(engines.ct2_peer, "generator", str(hf_dir), str(tmp_path / "ct2"), "fp32", 1) as peer:
+    paths = engines.ct2_models(hf_dir, str(tmp_path))
+    with PeerProcess(engines.ct2_peer, "generator", paths["fp32"], "fp32", 1) as peer:
         assert torch.equal(torch.tensor(peer(ids.tolist(), 8)), want)
         assert torch.equal(torch.tensor(peer(ids[:1].tolist(), 8)), want[:1])      # the child serves many calls
         with pytest.raises(RuntimeError, match="peer process: TypeError"):
             peer(None, 8)
     with pytest.raises(RuntimeError, match="peer process: .*no-such-dir"):
-        PeerProcess(engines.ct2_peer, "generator", str(tmp_path / "no-such-dir"), str(tmp_path / "x"), "fp32", 1)
+        PeerProcess(engines.ct2_peer, "generator", str(tmp_path / "no-such-dir"), "fp32", 1)
 
 
 @needs_ct2

@@ -65,9 +65,10 @@ class PeerProcess:
     """A peer engine loaded and run in a child process, called like a function from the parent, so
     its calls still interleave with tformer's (interleaved_times) without sharing a process with it.
 
-    Why: CTranslate2 brings its own threading runtime; once it has run in a process, tformer's
-    decoding in that process is up to a third slower and stays so (BENCHMARKS.md, "The peers share
-    the process"), which would measure the co-tenancy, not the engines. `factory(*args)` runs in the
+    Why: CTranslate2 brings its own threading runtime (OpenMP); once it has run in a process, tformer's
+    decoding in that process is up to a third slower, and once torch has run in a process CTranslate2
+    is a quarter slower there (BENCHMARKS.md, "The peers share the process"): one process would
+    measure the co-tenancy, not the engines. `factory(*args)` runs in the
     child and returns the function each call runs there; arguments and results travel by pipe."""
 
     def __init__(self, factory: Callable[..., Callable], *args):
@@ -83,7 +84,10 @@ class PeerProcess:
         return self._receive()
 
     def _receive(self):
-        ok, value = self._conn.recv()
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"peer process exited (code {self._process.exitcode})") from None
         if not ok:
             raise RuntimeError(f"peer process: {value}")
         return value

@@ -9,8 +9,8 @@ own tools:
 
 tformer's int8 rows are `quantize_int8` on the fp32 model. Peers run with as many threads as torch
 (`--threads`). Timing: interleaved, warmed-up runs, medians (common.interleaved_times); CTranslate2 is
-converted, loaded and run in a process of its own (common.PeerProcess: in tformer's process it slows
-tformer down), called from this one between tformer's runs.
+converted in one process of its own and run in another (common.PeerProcess; two threading runtimes
+that have both run in one process slow each other down), called from this one between tformer's runs.
 Checks: GPT-2 fp32 greedy tokens equal CTranslate2's, Marian fp32 beam-4 output equal to
 CTranslate2's (and, for one batch, to HF `generate`), embeddings' cosine to the fp32 ones.
 """
@@ -107,16 +107,27 @@ def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, s
     return {dtype: ct2_convert(hf_dir, tmp / f"ct2-{dtype}", dtype) for dtype in ("fp32", "int8")}
 
 
-def ct2_peer(kind: str, hf_dir: str, out: str, dtype: str, threads: int) -> Callable:
-    """Runs in the peer process (PeerProcess): convert, load, and return the call the bench times,
-    ct2_greedy ("generator") or ct2_beam ("translator") bound to the loaded model."""
+def ct2_converter() -> Callable:
+    """For a PeerProcess of its own: the conversion runs torch (it reads the HF model), and torch having
+    run in the process that then runs CTranslate2 slows CTranslate2 down by a quarter (BENCHMARKS.md)."""
+    return ct2_convert
+
+
+def ct2_peer(kind: str, path: str, dtype: str, threads: int) -> Callable:
+    """Runs in the peer process (PeerProcess): load the converted model and return the call the bench
+    times, ct2_greedy ("generator") or ct2_beam ("translator") bound to it."""
     import ctranslate2
 
-    path = ct2_convert(hf_dir, out, dtype)
     engine, call = {"generator": (ctranslate2.Generator, ct2_greedy),
                     "translator": (ctranslate2.Translator, ct2_beam)}[kind]
     return functools.partial(call, engine(path, device="cpu", compute_type=dtype.replace("fp", "float"),
                                           intra_threads=threads))
+
+
+def ct2_models(hf_dir: Path, tmp: str) -> dict[str, str]:
+    """CTranslate2 models in fp32 and int8 (paths by name), converted in a process of their own."""
+    with PeerProcess(ct2_converter) as convert:
+        return {dtype: convert(str(hf_dir), f"{tmp}/ct2-{dtype}", dtype) for dtype in ("fp32", "int8")}
 
 
 def ct2_greedy(generator, rows: list[list[int]], new: int) -> list[list[int]]:
@@ -146,8 +157,8 @@ def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         eos = {0: "<|endoftext|>"}
         hf_dir = hf_directory(ours, Path(tmp), eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
-        for dtype in ("fp32", "int8"):
-            with PeerProcess(ct2_peer, "generator", str(hf_dir), f"{tmp}/ct2-{dtype}", dtype, peer_threads()) as peer:
+        for dtype, path in ct2_models(hf_dir, tmp).items():
+            with PeerProcess(ct2_peer, "generator", path, dtype, peer_threads()) as peer:
                 for batch in (1, 8):
                     rows += gpt2_case(models, dtype, batch, peer, probe, quick)
     return rows
@@ -214,8 +225,8 @@ def marian_rows(quick: bool) -> list[dict]:
         names = {eos: "</s>", 1: "<unk>", pad: "<pad>"}
         hf_dir = hf_directory(ours, Path(tmp), names, {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"})
         name_of = numbered_tokenizer(vocab, names).id_to_token
-        for dtype in ("fp32", "int8"):
-            peer = PeerProcess(ct2_peer, "translator", str(hf_dir), f"{tmp}/ct2-{dtype}", dtype, peer_threads())
+        for dtype, path in ct2_models(hf_dir, tmp).items():
+            peer = PeerProcess(ct2_peer, "translator", path, dtype, peer_threads())
             out: dict[str, list] = {}
 
             def run_ours(m=models[dtype]):
