@@ -35,7 +35,8 @@ def test_ctranslate2_greedy_tokens_equal_tformer_from_the_same_weights(tmp_path:
     import ctranslate2
     ours = from_hf_model(hf_gpt2(2, 64, 4, 97, 64)).eval()
     eos = {0: "<|endoftext|>"}
-    paths = engines.to_ctranslate2(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
+    hf_dir = engines.hf_directory(ours, tmp_path, eos, {"bos_token": eos[0], "eos_token": eos[0], "unk_token": eos[0]})
+    paths = engines.ct2_models(hf_dir, str(tmp_path))
     ids = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(0))
     want = ours.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])[:, 7:]
     got = engines.ct2_greedy(ctranslate2.Generator(paths["fp32"], device="cpu", intra_threads=peer_threads()),
@@ -75,8 +76,8 @@ def test_ctranslate2_beam_search_equals_tformer_and_hf_on_a_marian_model(tmp_pat
     hf = MarianMTModel(MarianConfig(**shape)).eval()
     ours = from_hf_model(hf).eval()
     names = {0: "</s>", 1: "<unk>", 100: "<pad>"}
-    paths = engines.to_ctranslate2(ours, tmp_path, names, {"eos_token": "</s>", "unk_token": "<unk>",
-                                                          "pad_token": "<pad>"})
+    special = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    paths = engines.ct2_models(engines.hf_directory(ours, tmp_path, names, special), str(tmp_path))
     g = torch.Generator().manual_seed(1)
     sources = [torch.randint(2, 100, (k,), generator=g).tolist() + [0] for k in (5, 9, 7)]
     ids, mask = pad_rows(sources, 100)

@@ -101,12 +101,6 @@ def ct2_convert(hf_dir: Path | str, out: Path | str, dtype: str) -> str:
     return ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out), quantization=quantization)
 
 
-def to_ctranslate2(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> dict[str, str]:
-    """`model` -> `to_hf` directory -> CTranslate2 models in fp32 and int8 (paths by name)."""
-    hf_dir = hf_directory(model, tmp, names, special)
-    return {dtype: ct2_convert(hf_dir, tmp / f"ct2-{dtype}", dtype) for dtype in ("fp32", "int8")}
-
-
 def ct2_converter() -> Callable:
     """For a PeerProcess of its own: the conversion runs torch (it reads the HF model), and torch having
     run in the process that then runs CTranslate2 slows CTranslate2 down by a quarter (BENCHMARKS.md)."""
