@@ -67,9 +67,9 @@ class PeerProcess:
 
     Why: CTranslate2 brings its own threading runtime (OpenMP); once it has run in a process, tformer's
     decoding in that process is up to a third slower, and once torch has run in a process CTranslate2
-    is a quarter slower there (BENCHMARKS.md, "The peers share the process"): one process would
-    measure the co-tenancy, not the engines. `factory(*args)` runs in the
-    child and returns the function each call runs there; arguments and results travel by pipe."""
+    is a quarter slower there (BENCHMARKS.md, "The peers share the process" and "Each engine in its
+    own process"): one process would measure the co-tenancy, not the engines. `factory(*args)` runs
+    in the child and returns the function each call runs there; arguments and results travel by pipe."""
 
     def __init__(self, factory: Callable[..., Callable], *args):
         ctx = multiprocessing.get_context("spawn")        # a fresh interpreter: no torch state inherited
@@ -77,7 +77,11 @@ class PeerProcess:
         self._process = ctx.Process(target=_serve_peer, args=(child, factory, args), daemon=True)
         self._process.start()
         child.close()
-        self._receive()                                   # loaded (or the child's error)
+        try:
+            self._receive()                               # loaded (or the child's error)
+        except RuntimeError:
+            self.close()
+            raise
 
     def __call__(self, *args):
         self._conn.send(args)
