@@ -14,6 +14,12 @@ from tformer.linear import Linear, Packed, Split, plan_decoding
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 
 
+@pytest.fixture(autouse=True)
+def without_own_kernel(monkeypatch):
+    """The plans of a machine without tformer's fp32 kernel (that one: tests/test_gemv.py)."""
+    monkeypatch.setattr(linear.gemv, "available", lambda: False)
+
+
 @pytest.fixture
 def two_threads():
     before = torch.get_num_threads()

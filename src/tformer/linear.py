@@ -4,9 +4,13 @@
 for decoding on a CPU. Each decoding step multiplies a few rows (one per sequence) by every weight
 matrix once, so its speed is how fast the kernel reads the weights. PyTorch's default CPU kernels
 for so few rows (MKL's matrix-vector and small-M products) use one core here and read fp32 weights
-at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`). Two remedies,
+at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`). The remedies,
 chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 
+- gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
+  AVX-512 CPUs, gemv.py): a copy of the weight packed for the kernel, read at the memory's full rate
+  on all cores (~30 GB/s here against oneDNN's ~22); it runs a short prompt too (F.linear on the
+  32-token prompt of BENCHMARKS.md's GPT-2 case takes 3x as long).
 - packed (large matrices; bf16 ones from mid size): oneDNN multiplies by a copy of the weight laid
   out for its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost
   per call (~25 µs) is more than small matrices take.
@@ -18,7 +22,7 @@ A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows,
 weight is the one it was made for (same storage, same version counter): an optimizer step or
 load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
 again. A plan is a plain attribute (`layer.plan`): state_dict and .to() never see it, a deepcopy
-starts without one. A packed plan costs one more copy of its weight in memory (skipped when the
+starts without one. A packed or gemv plan costs one more copy of its weight in memory (skipped when the
 copies would take more than half of the memory still available); any plan keeps the weight's
 storage alive until it is replaced.
 """
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import gemv
 from .devices import available_memory
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
@@ -92,6 +97,22 @@ class Split(Plan):
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
+class Gemv(Plan):
+    """tformer's own fp32 kernel (gemv.py) on a copy of the weight packed for it: planned for decoding
+    steps of up to gemv.PLAN_ROWS rows, it also runs the prompt (up to MAX_ROWS rows)."""
+
+    def __init__(self, weight: Tensor, rows: int):
+        super().__init__(weight, rows)
+        self.weight = weight.detach()
+        self.packed = gemv.pack(self.weight)
+
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        x2 = x.reshape(-1, x.size(-1))
+        if not 0 < x2.size(0) <= gemv.MAX_ROWS:
+            return F.linear(x, self.weight, bias)
+        return gemv.gemv(self.packed, x2, bias, self.weight.size(0)).view(*x.shape[:-1], -1)
+
+
 class Linear(nn.Linear):
     """nn.Linear that follows its decoding plan (see the module docstring) when one is usable."""
 
@@ -103,11 +124,13 @@ class Linear(nn.Linear):
             return plan(x, self.bias)
         return F.linear(x, w, self.bias)
 
-    def kind_of_plan(self) -> type[Plan] | None:
-        """Which plan pays for this weight on this machine (None: F.linear)."""
+    def kind_of_plan(self, rows: int = 1) -> type[Plan] | None:
+        """Which plan pays for this weight on this machine, for products of about `rows` rows (None: F.linear)."""
         w, threads = self.weight, torch.get_num_threads()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
             return None
+        if w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and rows <= gemv.PLAN_ROWS and gemv.available():
+            return Gemv
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
             return Split
@@ -121,8 +144,8 @@ class Linear(nn.Linear):
         w, old = self.weight, self.plan
         if old is not None and old.rows == rows and old.made_for(w):
             return old
-        kind = self.kind_of_plan()
-        self.plan = kind(w, rows) if kind is Split or (kind is Packed and pack) else None
+        kind = self.kind_of_plan(rows)
+        self.plan = kind(w, rows) if kind is Split or (kind is not None and pack) else None
         return self.plan
 
 
@@ -133,7 +156,7 @@ def plan_decoding(model: nn.Module, rows: int) -> int:
     rows = max(1, min(rows, MAX_ROWS))
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     to_pack = sum(m.weight.numel() * m.weight.element_size() for m in layers
-                  if m.kind_of_plan() is Packed and not isinstance(m.plan, Packed))
+                  if m.kind_of_plan(rows) in (Packed, Gemv) and not isinstance(m.plan, (Packed, Gemv)))
     available = available_memory()
     pack = available is None or to_pack <= available // 2
     return sum(m.make_plan(rows, pack) is not None for m in layers)

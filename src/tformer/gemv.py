@@ -1,0 +1,132 @@
+"""fp32 products of a few rows by a weight matrix, at the memory's read rate (AVX-512 CPUs).
+
+A decoding step multiplies one row per sequence by every weight matrix, so its speed is how fast
+the weights are read. oneDNN's packed kernel reads fp32 weights at ~22 GB/s here, two thirds of what
+memory delivers (~33 GB/s, BENCHMARKS.md); `gemv.c` reads them at the full rate: the weight is
+packed once into blocks of 16 output features (`pack`), which each thread streams front to back.
+
+The kernel is C, compiled once at install time (`tformer.gemv.main()`, which `make` runs) into a
+shared library next to this file (or under ~/.cache/tformer when the package directory is
+read-only), and loaded with ctypes. It is used only where it can run: x86-64 Linux with AVX-512,
+PyTorch on OpenMP (the library then shares PyTorch's threads), and a library built from this very
+source. Anywhere else `available()` is False and linear.py keeps oneDNN's kernels.
+
+    p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
+    y = gemv(p, x, bias, w.size(0))    # x (M, K), 1 <= M <= MAX_ROWS -> (M, N) = x wᵀ + bias
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 64         # rows per product it takes (8 at a time; decoding steps and short prompts)
+PLAN_ROWS = 8         # a Gemv plan pays up to this many rows per step; above, oneDNN's packed kernel is faster
+BLOCK = 16            # output features per block: one AVX-512 register of fp32
+
+
+def library_path() -> Path:
+    """Where the library built from this source with these flags lives (the name carries a hash of
+    both, so a changed source is never run from an old build)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    name = f"_gemv-{digest}.so"
+    here = SOURCE.parent
+    if os.access(here, os.W_OK) or (here / name).exists():
+        return here / name
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tformer" / name
+
+
+def unsupported() -> str | None:
+    """Why the kernel cannot run on this machine, or None."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return f"needs x86-64 Linux (this is {sys.platform} {platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return "the CPU has no AVX-512"
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return "PyTorch is not built with OpenMP"
+    return None
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile gemv.c into library_path() (atomically: a half-written library is never loaded).
+    Raises RuntimeError with the compiler's message when it cannot."""
+    reason = unsupported()
+    if reason:
+        raise RuntimeError(reason)
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = compiler or os.environ.get("CC", "cc")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
+        os.replace(tmp, out)
+        for old in out.parent.glob("_gemv-*.so"):          # builds of earlier sources
+            if old != out:
+                old.unlink(missing_ok=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _kernel():
+    if unsupported() or not library_path().exists():
+        return None
+    fn = ctypes.CDLL(str(library_path())).tformer_gemv
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.restype = None
+    return fn
+
+
+def available() -> bool:
+    """Whether the kernel is built and can run here."""
+    return _kernel() is not None
+
+
+def pack(weight: Tensor) -> Tensor:
+    """(N, K) fp32 -> (ceil(N / 16), K, 16): block b holds output features 16b .. 16b + 15."""
+    n, k = weight.shape
+    w = F.pad(weight.detach().float(), (0, 0, 0, -n % BLOCK))                     # zero rows up to 16·blocks
+    return w.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x (M, K) fp32, 1 <= M <= MAX_ROWS -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from."""
+    x = x.contiguous()
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
+    _kernel()(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    return y
+
+
+def main() -> None:
+    """Build the kernel and say so (make runs it at install); a machine that cannot build it still
+    installs, and decodes with oneDNN's kernels."""
+    try:
+        print(f"tformer.gemv: built {build()}")
+    except RuntimeError as e:
+        print(f"tformer.gemv: not built ({e}); decoding uses oneDNN's kernels")
