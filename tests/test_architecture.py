@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
-CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "layers", "embeddings", "pooling", "models",
-                "heads", "dropout", "quant"]
+CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "gemv", "layers", "embeddings", "pooling",
+                "models", "heads", "dropout", "quant"]
 CORE = {f"tformer.{m}" for m in CORE_MODULES + ["errors", "devices"]} | {"tformer"}
 
 # The one import from the core upward: model.generate(...) / model.stream(...) forward to the
@@ -200,7 +200,7 @@ def test_every_module_is_short():
 def test_the_package_loads_its_public_names_on_first_use():
     code = ("import sys, tformer; before = {m for m in sys.modules if m.startswith('tformer.')}; "
             "names = [getattr(tformer, n) for n in tformer.__all__]; "
-            "print(sorted(before - {'tformer.' + m for m in ('attention', 'dropout', 'linear', 'masks', 'devices', "
-            "'errors')}), tformer.__version__, callable(tformer.attention), tformer.Decoder.__module__)")
+            "print(sorted(before - {'tformer.' + m for m in ('attention', 'dropout', 'linear', 'gemv', 'masks', "
+            "'devices', 'errors')}), tformer.__version__, callable(tformer.attention), tformer.Decoder.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "0.1.0", "True", "tformer.models"]

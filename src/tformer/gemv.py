@@ -76,7 +76,8 @@ def build(compiler: str | None = None) -> Path:
     try:
         done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
+            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+            raise RuntimeError(f"{cc} failed: {last}")
         os.replace(tmp, out)
         for old in out.parent.glob("_gemv-*.so"):          # builds of earlier sources
             if old != out:
