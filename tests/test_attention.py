@@ -232,3 +232,56 @@ def test_multihead_gqa_shapes_and_projection_sizes():
     assert mha.qkv_proj.out_features == 16 + 2 * 8                  # Q: 4 heads, K and V: 2 heads of size 4
     out, w = mha(torch.randn(2, 3, 16), need_weights=True)
     assert out.shape == (2, 3, 16) and w.shape == (2, 4, 3, 3)
+
+
+def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monkeypatch):
+    """A decoding step of many rows x heads (decoding_a_batch): self-attention of one new token over a
+    left-padded cache, and cross-attention of 4 beams per source; both equal torch.nn on full inputs."""
+    import sys
+
+    from tformer.attention import KVCache
+    A = sys.modules["tformer.attention"]                         # (tformer.attention is also the function)
+    calls = []
+    monkeypatch.setattr(A, "unfused_attention", lambda *a, **k: calls.append(1) or unfused_attention(*a, **k))
+    torch.manual_seed(3)
+    d, h, b, t = 32, 8, 16, 6
+    ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
+    ours = MultiHeadAttention(d, h).eval()
+    copy_from_nn(ours, ref)
+    x = torch.randn(b, t, d)
+    keep = torch.ones(b, t, dtype=torch.long)
+    keep[3, :2] = 0                                              # left padding in one row
+    with torch.no_grad():
+        expected, _ = ref(x, x, x, key_padding_mask=keep == 0, attn_mask=~causal_mask(t))
+        cache = KVCache(b, h, t + 2, d // h)
+        ours(x[:, :-1], cache=cache, mask=combine(causal_mask(t - 1), padding_mask(keep[:, :-1])))
+        assert not calls                                         # the prompt: the fused kernel
+        step, _ = ours(x[:, -1:], cache=cache, mask=padding_mask(keep)[:, :, :, :t])
+    assert calls == [1]
+    torch.testing.assert_close(step[:, 0], expected[:, -1], atol=1e-5, rtol=0)
+
+    cross = MultiHeadAttention(d, h, cross=True).eval()
+    copy_from_nn(cross, ref)
+    beams, ctx = 4, torch.randn(b, 5, d)
+    y = torch.randn(b * beams, 1, d)
+    with torch.no_grad():
+        expected, _ = ref(y, ctx.repeat_interleave(beams, 0), ctx.repeat_interleave(beams, 0))
+        out, _ = cross(y, context=ctx)
+    assert calls == [1, 1]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_cache_reorder_keeps_the_chosen_rows_step_after_step():
+    from tformer.attention import KVCache
+    torch.manual_seed(4)
+    cache, rows = KVCache(4, 2, 6, 3), []
+    for step in range(4):
+        k, v = torch.randn(4, 2, 1, 3), torch.randn(4, 2, 1, 3)
+        rows = [torch.cat([r, n], dim=2) for r, n in zip(rows, (k, v))] if rows else [k, v]
+        cache.update(k, v)
+        index = torch.randint(0, 4, (4,))
+        cache.reorder(index)                                     # into the spare buffers, then swapped
+        rows = [r.index_select(0, index) for r in rows]
+        assert torch.equal(cache.k[:, :, :step + 1], rows[0]) and torch.equal(cache.v[:, :, :step + 1], rows[1])
+    cache.reorder(torch.tensor([2, 0]))                           # fewer rows: a plain gather
+    assert cache.k.shape[0] == 2 and torch.equal(cache.k[:, :, :4], rows[0][[2, 0]])

@@ -65,10 +65,11 @@ def bias_mask(bias: Tensor, mask: Tensor | None, is_causal: bool, q: Tensor) -> 
 
 def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
                       is_causal: bool = False, bias: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """The formula in plain ops and in the input's dtype: the fast way to *train* in bf16 on a CPU.
-    PyTorch's CPU flash kernel has a slow backward pass; here one baddbmm computes the scaled scores
-    plus the mask (0 or -inf) and the softmax and αV follow: 2x faster than the flash kernel, forward
-    + backward, at nanoGPT's shape (BENCHMARKS.md, "Performance")."""
+    """The formula in plain ops and in the input's dtype: the fast way to *train* in bf16 on a CPU,
+    and to decode a batch on one (decoding_a_batch). PyTorch's CPU flash kernel has a slow backward
+    pass; here one baddbmm computes the scaled scores plus the mask (0 or -inf) and the softmax and
+    αV follow: 2x faster than the flash kernel, forward + backward, at nanoGPT's shape
+    (BENCHMARKS.md, "Performance"). A query with every key masked gets NaN (the fused kernel: 0)."""
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     B, H, t_q, hd = q.shape
     t_k = k.size(-2)
@@ -84,6 +85,15 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
                            k.reshape(B * H, t_k, hd).transpose(1, 2),
                            alpha=scale if scale is not None else hd ** -0.5)     # (B·H, T_q, T_k)
     return (dropout(scores.softmax(dim=-1), dropout_p) @ v.reshape(B * H, t_k, hd)).view(B, H, t_q, hd)
+
+
+def decoding_a_batch(q: Tensor, t: int) -> bool:
+    """A decoding step (one new token per sequence: t == 1) of many (row, head) pairs, where
+    PyTorch's CPU flash kernel is 1.3-3x slower than unfused_attention (64 rows x 8 heads; cross-
+    attention of 16 x 8 with 4 beams folded into the queries) while it is the faster one for a single
+    sequence's heads. Such a query always has a key to attend to (itself, or its source), so the
+    unfused path's NaN for a fully masked query cannot arise."""
+    return t == 1 and q.size(0) * q.size(1) >= 64 and q.size(-2) <= 16
 
 
 def fold_copies(q: Tensor, copies: int) -> Tensor:
@@ -125,6 +135,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.spare: tuple[Tensor, Tensor] | None = None        # beam search's reorder writes here
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         start, end = self.length, self.length + k.size(2)
@@ -136,8 +147,20 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows `index` (beam search: continue the beams that survived)."""
-        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        """Keep batch rows `index` (beam search: continue the beams that survived). Only the filled
+        positions move, into a second pair of buffers kept for this (a fresh one each step would cost
+        page faults: half of the time of the gather itself); the two pairs then swap."""
+        if index.size(0) != self.k.size(0):
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+            self.spare = None
+            return
+        if self.spare is None:
+            self.spare = (torch.empty_like(self.k), torch.empty_like(self.v))
+        k, v = self.spare
+        n = self.length
+        torch.index_select(self.k[:, :, :n], 0, index, out=k[:, :, :n])
+        torch.index_select(self.v[:, :, :n], 0, index, out=v[:, :, :n])
+        self.spare, self.k, self.v = (self.k, self.v), k, v
 
 
 class CrossKVCache:
@@ -212,7 +235,8 @@ class MultiHeadAttention(nn.Module):
         extra = dict(bias=position_bias, scale=self.scale)
         if need_weights:
             out, weights = attention(q, k, v, mask, dropout_p, is_causal, return_weights=True, **extra)
-        elif q.requires_grad and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        elif q.device.type == "cpu" and (q.requires_grad and q.dtype in (torch.bfloat16, torch.float16)
+                                         or not q.requires_grad and decoding_a_batch(q, T)):
             out, weights = unfused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
         else:
             out, weights = fused_attention(q, k, v, mask, dropout_p, is_causal, **extra), None
