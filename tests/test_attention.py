@@ -244,7 +244,7 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
     calls = []
     monkeypatch.setattr(A, "unfused_attention", lambda *a, **k: calls.append(1) or unfused_attention(*a, **k))
     torch.manual_seed(3)
-    d, h, b, t = 32, 8, 16, 6
+    d, h, b, t = 32, 8, 32, 6
     ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
     ours = MultiHeadAttention(d, h).eval()
     copy_from_nn(ours, ref)

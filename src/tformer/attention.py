@@ -88,12 +88,12 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
 
 
 def decoding_a_batch(q: Tensor, t: int) -> bool:
-    """A decoding step (one new token per sequence: t == 1) of many (row, head) pairs, where
-    PyTorch's CPU flash kernel is 1.3-3x slower than unfused_attention (64 rows x 8 heads; cross-
-    attention of 16 x 8 with 4 beams folded into the queries) while it is the faster one for a single
-    sequence's heads. Such a query always has a key to attend to (itself, or its source), so the
-    unfused path's NaN for a fully masked query cannot arise."""
-    return t == 1 and q.size(0) * q.size(1) >= 64 and q.size(-2) <= 16
+    """A decoding step (one new token per sequence: t == 1) with at least 256 (row, head, query)
+    triples, where PyTorch's CPU flash kernel is 1.3-3x slower than unfused_attention (Marian's beam
+    search: 64 rows x 8 heads; cross-attention of 16 x 8 with 4 beams folded into the queries) while it
+    is as fast or faster for fewer (GPT-2's 12 heads at batch 1 or 8). Such a query always has a key to
+    attend to (itself, or its source), so the unfused path's NaN for a fully masked query cannot arise."""
+    return t == 1 and q.size(-2) <= 16 and q.size(0) * q.size(1) * q.size(-2) >= 256
 
 
 def fold_copies(q: Tensor, copies: int) -> Tensor:

@@ -60,7 +60,8 @@ static void block_rows(const float *p, const float *x, float *y, const float *bi
     }
 }
 
-/* x (M, K), P (ceil(N / 16), K, 16), bias (N) or NULL, y (M, N); all contiguous fp32; M >= 1. */
+/* x (M, K), P (ceil(N / 16), K, 16), bias (N) or NULL, y (M, N); all contiguous fp32; M >= 1 (a few
+ * dozen at most, so that x stays in the core's cache while the blocks stream by). */
 void tformer_gemv(const float *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t blocks = (N + 15) / 16;
 #pragma omp parallel for schedule(static)

@@ -12,7 +12,7 @@ PyTorch on OpenMP (the library then shares PyTorch's threads), and a library bui
 source. Anywhere else `available()` is False and linear.py keeps oneDNN's kernels.
 
     p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
-    y = gemv(p, x, bias, w.size(0))    # x (M, K), 1 <= M <= MAX_ROWS -> (M, N) = x wᵀ + bias
+    y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 64         # rows per product it takes (8 at a time; decoding steps and short prompts)
+CHUNK_ROWS = 64       # rows per call of the kernel (8 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # a Gemv plan pays up to this many rows per step; above, oneDNN's packed kernel is faster
 BLOCK = 16            # output features per block: one AVX-512 register of fp32
 
@@ -113,14 +113,17 @@ def pack(weight: Tensor) -> Tensor:
 
 
 def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    """x (M, K) fp32, 1 <= M <= MAX_ROWS -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from."""
+    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from."""
     x = x.contiguous()
     m, k = x.shape
-    if not 1 <= m <= MAX_ROWS or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32:
+    if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
     y = torch.empty(m, n, dtype=torch.float32)
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
-    _kernel()(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    b = None if bias is None else bias.data_ptr()
+    for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
+        rows = min(CHUNK_ROWS, m - start)
+        _kernel()(packed.data_ptr(), x[start].data_ptr(), b, y[start].data_ptr(), rows, n, k)
     return y
 
 

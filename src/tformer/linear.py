@@ -9,8 +9,8 @@ chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
   AVX-512 CPUs, gemv.py): a copy of the weight packed for the kernel, read at the memory's full rate
-  on all cores (~30 GB/s here against oneDNN's ~22); it runs a short prompt too (F.linear on the
-  32-token prompt of BENCHMARKS.md's GPT-2 case takes 3x as long).
+  on all cores (~30 GB/s here against oneDNN's ~22); it runs the prompts too (up to PROMPT_ROWS rows:
+  F.linear takes 1.3-2.6x as long on this AMD CPU).
 - packed (large matrices; bf16 ones from mid size): oneDNN multiplies by a copy of the weight laid
   out for its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost
   per call (~25 µs) is more than small matrices take.
@@ -18,7 +18,8 @@ chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
   slices run as one batched product (`torch.bmm`), which PyTorch spreads over the threads.
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
-A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows, and only while the
+A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv plan:
+PROMPT_ROWS), and only while the
 weight is the one it was made for (same storage, same version counter): an optimizer step or
 load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
 again. A plan is a plain attribute (`layer.plan`): state_dict and .to() never see it, a deepcopy
@@ -37,6 +38,7 @@ from . import gemv
 from .devices import available_memory
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
+PROMPT_ROWS = 512           # ... except with a gemv plan: prompts of a batch (8 x 64 tokens)
 SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...
 PACK_MIN = 1 << 20          # ... up to here, packed above (and for bf16); benchmarks/gemv_bandwidth.py
 
@@ -99,18 +101,19 @@ class Split(Plan):
 
 class Gemv(Plan):
     """tformer's own fp32 kernel (gemv.py) on a copy of the weight packed for it: planned for decoding
-    steps of up to gemv.PLAN_ROWS rows, it also runs the prompt (up to MAX_ROWS rows)."""
+    steps of up to gemv.PLAN_ROWS rows, it also runs the prompts, up to PROMPT_ROWS rows (there
+    it does ~200 GFLOP/s here, against 80-145 for F.linear, whose MKL kernels are slow on AMD CPUs)."""
 
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
+        self.max_elems = PROMPT_ROWS * weight.size(1)
         self.weight = weight.detach()
         self.packed = gemv.pack(self.weight)
 
     def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        x2 = x.reshape(-1, x.size(-1))
-        if not 0 < x2.size(0) <= gemv.MAX_ROWS:
+        if x.numel() == 0:
             return F.linear(x, self.weight, bias)
-        return gemv.gemv(self.packed, x2, bias, self.weight.size(0)).view(*x.shape[:-1], -1)
+        return gemv.gemv(self.packed, x.reshape(-1, x.size(-1)), bias, self.weight.size(0)).view(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
