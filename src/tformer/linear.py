@@ -19,13 +19,12 @@ chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
 A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv plan:
-PROMPT_ROWS), and only while the
-weight is the one it was made for (same storage, same version counter): an optimizer step or
-load_state_dict makes it stale, the layer falls back to F.linear, and the next generate() plans
-again. A plan is a plain attribute (`layer.plan`): state_dict and .to() never see it, a deepcopy
-starts without one. A packed or gemv plan costs one more copy of its weight in memory (skipped when the
-copies would take more than half of the memory still available); any plan keeps the weight's
-storage alive until it is replaced.
+PROMPT_ROWS), and only while the weight is the one it was made for (same storage, same version
+counter): an optimizer step or load_state_dict makes it stale, the layer falls back to F.linear, and
+the next generate() plans again. A plan is a plain attribute (`layer.plan`): state_dict and .to()
+never see it, a deepcopy starts without one. A packed or gemv plan costs one more copy of its weight
+in memory (skipped when the copies would take more than half of the memory still available); any
+plan keeps the weight's storage alive until it is replaced.
 """
 
 from __future__ import annotations
