@@ -73,8 +73,8 @@ def test_decoding_with_the_kernel_matches_the_plain_forward(monkeypatch):
 
 
 @needs_kernel
-def test_one_openmp_runtime_and_torchs_thread_count():
-    """The library's libgomp.so.1 is the copy PyTorch loaded: one thread pool, set by torch.set_num_threads."""
+def test_one_openmp_runtime():
+    """The library's libgomp.so.1 is the copy PyTorch loaded: one OpenMP runtime in the process."""
     w = torch.randn(4096, 512)
     gemv.gemv(gemv.pack(w), torch.randn(1, 512), None, 4096)
     with open("/proc/self/maps") as maps:

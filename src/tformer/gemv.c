@@ -1,7 +1,7 @@
 /* y = x Wᵀ + b for a few rows of x (decoding, short prompts), fp32, AVX-512: reads W once, at the
  * memory's rate.
  *
- * Built by tformer/gemv.py (`python -m tformer.gemv`), loaded with ctypes. W (N, K) is first
+ * Built by tformer/gemv.py (`tformer.gemv.main()`, which make runs), loaded with ctypes. W (N, K) is first
  * packed into blocks of 16 output features, each block K x 16 floats and contiguous:
  *
  *     P[b, k, j] = W[16 b + j, k]          (N rounded up to 16; the extra rows are zero)
