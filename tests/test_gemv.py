@@ -1,6 +1,8 @@
 """tformer.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
 plan takes it where it is built, and it runs on PyTorch's own OpenMP threads."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ def test_the_install_built_the_kernel_where_it_can_run():
 @needs_kernel
 @pytest.mark.parametrize("n, k, rows", [(50257, 768, 1), (50257, 768, 8), (768, 3072, 3), (768, 3072, 64),
                                         (300, 256, 9), (300, 256, 31), (300, 256, 200),
-                                        (33, 17, 2), (16, 1, 5), (1, 5, 16)])
+                                        (33, 17, 2), (20, 7, 3), (16, 1, 5), (1, 5, 16)])
 def test_gemv_equals_f_linear(n, k, rows):
     torch.manual_seed(rows)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
@@ -95,3 +97,25 @@ def test_plans_without_the_kernel_are_onednns(monkeypatch):
     m = Linear(1024, 1024)
     plan_decoding(m, 1)
     assert not isinstance(m.plan, Gemv)
+
+
+def _huge_kib() -> int:
+    return int(Path("/proc/self/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
+
+
+def _huge_pages_on_request() -> bool:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return thp.exists() and "[never]" not in thp.read_text() and Path("/proc/self/smaps_rollup").exists()
+
+
+@pytest.mark.skipif(not _huge_pages_on_request(), reason="no transparent huge pages on this system")
+def test_large_packed_weights_live_in_huge_pages_until_freed():
+    w = torch.randn(4096, 1024)                                            # 16 MiB
+    before = _huge_kib()
+    packed = gemv.pack(w)
+    held = _huge_kib()
+    assert packed.data_ptr() % gemv.HUGE_PAGE == 0
+    assert held - before >= 8 * 1024, "at least half of the 16 MiB in 2 MiB pages"
+    assert torch.equal(packed, w.view(256, 16, 1024).transpose(1, 2))   # P[b, k, j] = W[16 b + j, k]
+    del packed
+    assert _huge_kib() <= held - 8 * 1024, "the mapping goes with the tensor"

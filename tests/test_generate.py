@@ -17,6 +17,7 @@ from tformer.generation import (
     TextStream,
     apply_repetition_penalty,
     apply_temperature,
+    greedy,
     min_p_filter,
     sequence_hits,
     stream_text,
@@ -94,6 +95,15 @@ def test_repetition_penalty_equals_hf(x, penalty, length, seed):
     seen = torch.zeros(x.shape, dtype=torch.bool).scatter(1, ids, True)
     expected = lp.RepetitionPenaltyLogitsProcessor(penalty)(ids, x.clone())
     torch.testing.assert_close(apply_repetition_penalty(x, seen, penalty), expected)
+
+
+def test_greedy_picks_what_torch_argmax_picks():
+    torch.manual_seed(0)
+    x = torch.randint(0, 4, (64, 50)).float()                     # many ties: the first one wins
+    x[3, 7] = x[5, 0] = x[5, 9] = float("nan")                      # NaN is the largest
+    for logits in (x, x[:, ::2], x.bfloat16(), torch.randn(8, 50257), torch.randn(2, 3).requires_grad_()):
+        got = greedy(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
 
 
 # --- sampling -----------------------------------------------------------------------------------------

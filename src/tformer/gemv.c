@@ -6,10 +6,13 @@
  *
  *     P[b, k, j] = W[16 b + j, k]          (N rounded up to 16; the extra rows are zero)
  *
- * so each thread reads one stream of memory front to back, 64 bytes (one register) per (k, block),
- * and multiplies it by x[m, k] broadcast, for 8 rows m at once; the next 8 rows reuse the block from
+ * so each thread reads its blocks front to back, 64 bytes (one register) per (k, block), and
+ * multiplies them by x[m, k] broadcast, for 8 rows m at once; the next 8 rows reuse the blocks from
  * the core's cache, so W is read from memory once for all M rows.
- * Two chains of partial sums per row (even and odd k) hide the latency of the fused multiply-add.
+ * One row: a pass covers one block, with two chains of partial sums (even and odd k) to hide the
+ * latency of the fused multiply-add. Three rows or more: a pass covers two neighbouring blocks, so
+ * each broadcast of x[m, k] feeds two multiply-adds (one per multiply-add, the broadcasts, not the
+ * memory, limit 8 rows: GPT-2's matrices 22 -> 18 ms, BENCHMARKS.md).
  * Threads: OpenMP over the blocks; the library links libgomp.so.1, which resolves to the copy
  * PyTorch has already loaded, so torch.set_num_threads applies and no second thread pool exists.
  */
@@ -18,41 +21,63 @@
 
 #define MAX_M 8
 
-static inline __attribute__((always_inline)) void block(const float *p, const float *x, float *y,
-                                                        const float *bias, int64_t K, int64_t N,
-                                                        int64_t n0, const int M) {
-    __m512 even[MAX_M], odd[MAX_M];
-    int64_t left = N - n0;
-    __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < M; m++) {
-        even[m] = b;
-        odd[m] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-        __m512 w0 = _mm512_loadu_ps(p + k * 16), w1 = _mm512_loadu_ps(p + (k + 1) * 16);
-        for (int m = 0; m < M; m++) {
-            even[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), even[m]);
-            odd[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), odd[m]);
-        }
-    }
-    if (k < K) {
-        __m512 w0 = _mm512_loadu_ps(p + k * 16);
-        for (int m = 0; m < M; m++) even[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), even[m]);
-    }
-    for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n0, mask, _mm512_add_ps(even[m], odd[m]));
+static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-#define ROWS(R) \
-    case R:      \
-        block(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R); \
+/* M <= 8 rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1), outputs n0 ... */
+static inline __attribute__((always_inline)) void pass(const float *p, const float *x, float *y,
+                                                       const float *bias, int64_t K, int64_t N,
+                                                       int64_t n0, const int M, const int two) {
+    __m512 a[MAX_M], c[MAX_M];                  /* one block: even / odd k; two: first / second block */
+    const float *q = p + K * 16;
+    __mmask16 ma = tail(N - n0), mc = two ? tail(N - n0 - 16) : 0;
+    __m512 ba = bias ? _mm512_maskz_loadu_ps(ma, bias + n0) : _mm512_setzero_ps();
+    __m512 bc = bias && two ? _mm512_maskz_loadu_ps(mc, bias + n0 + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        a[m] = ba;
+        c[m] = bc;
+    }
+    if (two) {
+        for (int64_t k = 0; k < K; k++) {
+            __m512 w0 = _mm512_loadu_ps(p + k * 16), w1 = _mm512_loadu_ps(q + k * 16);
+            for (int m = 0; m < M; m++) {
+                __m512 xb = _mm512_set1_ps(x[m * K + k]);
+                a[m] = _mm512_fmadd_ps(w0, xb, a[m]);
+                c[m] = _mm512_fmadd_ps(w1, xb, c[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n0 + 16, mc, c[m]);
+    } else {
+        int64_t k = 0;
+        for (; k + 2 <= K; k += 2) {
+            __m512 w0 = _mm512_loadu_ps(p + k * 16), w1 = _mm512_loadu_ps(p + (k + 1) * 16);
+            for (int m = 0; m < M; m++) {
+                a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
+                c[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), c[m]);
+            }
+        }
+        if (k < K) {
+            __m512 w0 = _mm512_loadu_ps(p + k * 16);
+            for (int m = 0; m < M; m++) a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
+        }
+        for (int m = 0; m < M; m++) a[m] = _mm512_add_ps(a[m], c[m]);
+    }
+    for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n0, ma, a[m]);
+}
+
+#define ROWS(R)                                                                 \
+    case R:                                                                     \
+        if (two)                                                                \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 1);              \
+        else                                                                    \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 0);              \
         break;
 
-/* One block of 16 outputs for all M rows, 8 rows at a time: the block (K x 64 bytes) comes from
- * memory for the first 8 and from the core's cache for the next. */
-static void block_rows(const float *p, const float *x, float *y, const float *bias, int64_t M, int64_t N,
-                       int64_t K, int64_t n0) {
+/* All M rows times the block(s) of one pass, 8 rows at a time: the blocks come from memory for the
+ * first 8 and from the core's cache for the next. */
+static void pass_rows(const float *p, const float *x, float *y, const float *bias, int64_t M, int64_t N,
+                      int64_t K, int64_t n0, int two) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         switch (M - m0 < MAX_M ? M - m0 : MAX_M) {
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
@@ -63,7 +88,10 @@ static void block_rows(const float *p, const float *x, float *y, const float *bi
 /* x (M, K), P (ceil(N / 16), K, 16), bias (N) or NULL, y (M, N); all contiguous fp32; M >= 1 (a few
  * dozen at most, so that x stays in the core's cache while the blocks stream by). */
 void tformer_gemv(const float *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    int64_t blocks = (N + 15) / 16;
+    int64_t blocks = (N + 15) / 16, width = M >= 3 ? 2 : 1, passes = (blocks + width - 1) / width;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) block_rows(p + b * K * 16, x, y, bias, M, N, K, b * 16);
+    for (int64_t i = 0; i < passes; i++) {
+        int64_t b = i * width;
+        pass_rows(p + b * K * 16, x, y, bias, M, N, K, b * 16, width == 2 && b + 1 < blocks);
+    }
 }
