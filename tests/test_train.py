@@ -14,7 +14,7 @@ import torch
 
 import tformer
 from tformer.cli import build_parser, main
-from tformer.optim import lr_at, param_groups, progress_of
+from tformer.optim import lr_at, make_optimizer, param_groups, progress_of
 from tformer.train import TrainConfig
 from tformer.trainer import fit
 
@@ -63,6 +63,28 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     assert all(names[n].dim() == 2 and "embed" not in n for n in decay["names"])
     assert "stack.embed.token.weight" in no_decay["names"] and any("norm" in n for n in no_decay["names"])
     assert len(decay["names"]) + len(no_decay["names"]) == len(names)
+
+
+def test_fused_adamw_steps_like_the_loop_over_parameters():
+    torch.manual_seed(0)
+    model = tformer.Decoder(tformer.preset("tiny", vocab_size=20))
+    cfg = TrainConfig(out="unused", lr=1e-2, weight_decay=0.1)
+    opt, names = make_optimizer(model, cfg)
+    assert opt.defaults["fused"] and len(names) == len(list(model.parameters()))
+    reference = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in reference.items()}
+    groups = [{"params": [reference[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
+              for g in param_groups(model, 0.1)]
+    loop = torch.optim.AdamW(groups, lr=1e-2, betas=(cfg.beta1, cfg.beta2), foreach=False)
+    for step in range(3):
+        for n, p in model.named_parameters():
+            p.grad = torch.randn_like(p, generator=torch.Generator().manual_seed(step))
+            reference[n].grad = p.grad.clone()
+        opt.step()
+        loop.step()
+    for n, p in model.named_parameters():
+        assert not torch.equal(p.detach(), start[n])
+        torch.testing.assert_close(p.detach(), reference[n].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_grad_accumulation_equals_full_batch(data, tmp_path):
@@ -317,6 +339,8 @@ def test_the_translate_recipe_differs_per_data_set_and_its_bible_preset_builds()
     own, _ = resolve_options(TranslateTask, {"data": "pairs.tsv", "out": "x", "lr": 5e-4})
     assert chosen["preset"] == bible["preset"] != numbers["preset"] == own["preset"] is None
     assert own["lr"] == 5e-4 and bible["lr"] != TranslateTask.Options.lr
+    assert bible["compile"] and not numbers["compile"]
+    assert not resolve_options(TranslateTask, {"data": "bible-en-es", "out": "x", "compile": False})[0]["compile"]
     model = EncoderDecoder(ModelConfig(**{**PRESETS[bible["preset"]], "vocab_size": 100}))
     src, tgt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 5))
     assert model(src, tgt).shape == (2, 5, 100)
@@ -333,3 +357,13 @@ def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert devices.native_bf16(cpu) is expected
+
+
+def test_compile_without_a_compiler_trains_uncompiled_and_says_so(data, tmp_path, monkeypatch, capsys):
+    from tformer import trainer
+    monkeypatch.setattr(trainer, "cxx_compiler", lambda: None)
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m, *a, **k: compiled.append(m) or m)
+    result = train(["--data", data, *SMALL, "--max-steps", "2", "--compile", "--out", str(tmp_path / "r")])
+    assert result.step == 2 and compiled == []
+    assert "--compile needs a C++ compiler" in capsys.readouterr().err

@@ -7,6 +7,7 @@ model core (linear.py), the resource checks (limits.py) and training can all use
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -62,3 +63,11 @@ def native_bf16(device: torch.device) -> bool:
     if device.type == "cpu":
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return False
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile would use on a CPU ($CXX, else g++, clang++ or c++), or None."""
+    for name in ([os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]):
+        if found := shutil.which(name):
+            return found
+    return None

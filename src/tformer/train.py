@@ -161,7 +161,10 @@ class TrainConfig:
     # shard parameters, gradients and optimizer state (FSDP2) under torchrun
     fsdp: bool = option(False, "shard the model with FSDP2 (under torchrun)", action="store_true")
     # torch.compile pays off only for long runs
-    compile: bool = option(False, "torch.compile the model (slow start, faster steps)", action="store_true")
+    compile: bool = option(
+        False, "torch.compile the model: about a minute of compiling (C++, needs a compiler), then faster "
+        "steps (the Bible model: 1.1x the steps in 20 minutes) (default: on for translate on bible-en-es, "
+        "off elsewhere)", action=argparse.BooleanOptionalAction, flag_default=None)
     progress: bool = option(True, "no progress bar", resume=ONCE, flag="--no-progress", action="store_false")
 
     def check(self) -> None:

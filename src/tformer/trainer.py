@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .checkpoint import WEIGHTS, load_state, read_safetensors
 from .data import micro_batches
-from .devices import native_bf16, pick_device
+from .devices import cxx_compiler, native_bf16, pick_device
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
@@ -80,7 +80,10 @@ class Trainer:
             if cfg.fsdp:
                 tensors = shard_like(self.model, tensors, self.device)
             load_optimizer_tensors(self.opt, self.names, tensors, groups, source)
-        self.train_model = torch.compile(self.model) if cfg.compile else self.model
+        no_compiler = cfg.compile and self.device.type == "cpu" and cxx_compiler() is None
+        if no_compiler:
+            self._say("warning: --compile needs a C++ compiler (g++ or clang++, or set CXX); training without it")
+        self.train_model = torch.compile(self.model) if cfg.compile and not no_compiler else self.model
 
     # --- outputs -------------------------------------------------------------------------
     def _say(self, text: str) -> None:
