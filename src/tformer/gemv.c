@@ -9,11 +9,11 @@
  * so each thread reads its blocks front to back, 64 bytes (one register) per (k, block), and
  * multiplies them by x[m, k] broadcast, for 8 rows m at once; the next 8 rows reuse the blocks from
  * the core's cache, so W is read from memory once for all M rows.
- * One row: a pass covers one block, with two chains of partial sums (even and odd k) to hide the
- * latency of the fused multiply-add. Three rows or more: a pass covers two neighbouring blocks, so
- * each broadcast of x[m, k] feeds two multiply-adds (one per multiply-add, the broadcasts, not the
- * memory, limit 8 rows: GPT-2's matrices 22 -> 18 ms, BENCHMARKS.md).
- * Threads: OpenMP over the blocks; the library links libgomp.so.1, which resolves to the copy
+ * One or two rows: a pass covers one block, with two chains of partial sums (even and odd k) to
+ * hide the latency of the fused multiply-add. Three rows or more: a pass covers two neighbouring
+ * blocks, so each broadcast of x[m, k] feeds two multiply-adds (one per multiply-add, the
+ * broadcasts, not the memory, limit 8 rows: GPT-2's matrices 22 -> 18 ms, BENCHMARKS.md).
+ * Threads: OpenMP over the passes; the library links libgomp.so.1, which resolves to the copy
  * PyTorch has already loaded, so torch.set_num_threads applies and no second thread pool exists.
  */
 #include <immintrin.h>
@@ -25,7 +25,8 @@ static inline __mmask16 tail(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-/* M <= 8 rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1), outputs n0 ... */
+/* M <= 8 rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1): outputs n0 .. n0 + 15
+ * (.. n0 + 31), the last block's tail masked off. */
 static inline __attribute__((always_inline)) void pass(const float *p, const float *x, float *y,
                                                        const float *bias, int64_t K, int64_t N,
                                                        int64_t n0, const int M, const int two) {

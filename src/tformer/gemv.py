@@ -112,11 +112,11 @@ def huge_page_empty(*shape: int) -> Tensor:
     """An uninitialised fp32 tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
 
     Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware
-    prefetcher at each page's end; in huge pages the kernel reads GPT-2's weights ~8% faster here
-    (27.9 -> 30.4 GB/s back to back, BENCHMARKS.md). PyTorch's allocator does this only when
-    THP_MEM_ALLOC_ENABLE is set before its first allocation, so the memory is mapped here; the tensor
-    keeps the mapping alive and unmaps it when freed. Where the system does not grant huge pages
-    (transparent huge pages off) this is ordinary memory."""
+    prefetcher at each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster here
+    (benchmarks/gemv_pages.py: 23.5 -> 27.3 GB/s back to back, BENCHMARKS.md). PyTorch's allocator
+    does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the memory is
+    mapped here; the tensor keeps the mapping alive and unmaps it when freed. Where the system does
+    not grant huge pages (transparent huge pages off) this is ordinary memory."""
     nbytes = 4 * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=torch.float32)
