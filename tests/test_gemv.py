@@ -55,7 +55,10 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
             x = torch.randn(shape)
             torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
     assert calls == [1, 4, linear.PROMPT_ROWS]                   # more rows, or none: F.linear
-    assert plan_decoding(m, gemv.PLAN_ROWS + 1) == 1 and not isinstance(m.plan, Gemv)
+    assert plan_decoding(m, linear.MAX_ROWS) == 1 and isinstance(m.plan, Gemv)   # mid-sized: any step
+    large = Linear(1024, 1024)                                    # from PACK_MIN: oneDNN's above PLAN_ROWS
+    assert plan_decoding(large, gemv.PLAN_ROWS) == 1 and isinstance(large.plan, Gemv)
+    assert plan_decoding(large, gemv.PLAN_ROWS + 1) == 1 and not isinstance(large.plan, Gemv)
 
 
 @needs_kernel
@@ -119,3 +122,68 @@ def test_large_packed_weights_live_in_huge_pages_until_freed():
     assert torch.equal(packed, w.view(256, 16, 1024).transpose(1, 2))   # P[b, k, j] = W[16 b + j, k]
     del packed
     assert _huge_kib() <= held - 8 * 1024, "the mapping goes with the tensor"
+
+
+def _attend_reference(q, k, v, mask, copies):
+    """The formula (tformer.attention.attention) in float64, the beams of a source given its keys."""
+    from tformer.attention import attention
+    k, v = (x.double().repeat_interleave(copies, dim=0) for x in (k, v))
+    if mask is not None:
+        mask = mask.repeat_interleave(q.size(0) // mask.size(0), dim=0)
+    out = attention(q.double(), k, v, mask)                                   # (B, H, 1, hd)
+    return out.transpose(1, 2).reshape(q.size(0), 1, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B, H, H_kv, T_k, hd, copies, masked", [
+    (64, 8, 8, 20, 64, 1, False),     # Marian's self-attention: 16 sentences x 4 beams, cache slice
+    (64, 8, 8, 33, 64, 4, True),      # Marian's cross-attention: 4 beams share a source and its mask
+    (1, 12, 12, 200, 64, 1, False),   # GPT-2 at batch 1
+    (3, 8, 2, 17, 128, 1, True),      # grouped-query attention, a wider head, padded keys
+    (2, 4, 4, 1, 16, 2, False),       # one key
+])
+def test_attend_equals_the_formula(B, H, H_kv, T_k, hd, copies, masked):
+    torch.manual_seed(T_k)
+    q = torch.randn(B, 1, 3 * H * hd)[..., :H * hd].view(B, 1, H, hd).transpose(1, 2)   # strided as in a layer
+    cache = torch.randn(2, B // copies, H_kv, T_k + 5, hd)                              # filled part of a cache
+    k, v = cache[0, :, :, :T_k], cache[1, :, :, :T_k]
+    mask = None
+    if masked:
+        mask = torch.rand(B // copies, 1, 1, T_k) > 0.3
+        mask[..., 0] = True
+    out = gemv.attend(q, k, v, mask, hd ** -0.5)
+    assert out.shape == (B, 1, H * hd) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _attend_reference(q, k, v, mask, copies), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_attend_gives_zero_where_no_key_may_be_attended_and_declines_what_it_does_not_take():
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 5, 16)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1] = False
+    out = gemv.attend(q, k, k, mask, 0.25)
+    assert torch.equal(out[1], torch.zeros(1, 64)) and out[0].abs().sum() > 0
+    assert gemv.attend(torch.randn(2, 4, 2, 16), k, k, None, 0.25) is None             # two queries a row
+    assert gemv.attend(torch.randn(2, 4, 1, 24), torch.randn(2, 4, 5, 24), torch.randn(2, 4, 5, 24), None, 1.0) is None
+    assert gemv.attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), None, 0.25) is None
+    assert gemv.attend(q, k, k, torch.ones(2, 4, 1, 5, dtype=torch.bool), 0.25) is None  # a mask per head
+
+
+@needs_kernel
+def test_beam_search_with_the_attention_kernel_matches_without(monkeypatch):
+    from tformer.config import ModelConfig
+    from tformer.models import EncoderDecoder
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="encoder-decoder", vocab_size=500, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = EncoderDecoder(cfg).eval()
+    src = torch.randint(3, 500, (3, 9))
+    mask = torch.ones_like(src)
+    mask[1, 6:] = 0
+    calls = []
+    original = gemv.attend
+    monkeypatch.setattr(gemv, "attend", lambda *a: calls.append(1) or original(*a))
+    fast = model.generate(src, attention_mask=mask, num_beams=4, max_new_tokens=10, eos_token_id=[])
+    assert len(calls) >= 2 * 2 * 9                                # self and cross, 2 layers, each new token
+    monkeypatch.setattr(gemv, "attend", lambda *a: None)
+    assert torch.equal(model.generate(src, attention_mask=mask, num_beams=4, max_new_tokens=10, eos_token_id=[]), fast)

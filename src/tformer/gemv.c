@@ -17,6 +17,7 @@
  * PyTorch has already loaded, so torch.set_num_threads applies and no second thread pool exists.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MAX_M 8
@@ -94,5 +95,70 @@ void tformer_gemv(const float *p, const float *x, const float *bias, float *y, i
     for (int64_t i = 0; i < passes; i++) {
         int64_t b = i * width;
         pass_rows(p + b * K * 16, x, y, bias, M, N, K, b * 16, width == 2 && b + 1 < blocks);
+    }
+}
+
+
+/* Decoding attention: one query per (row, head) against that row's cached keys and values,
+ *
+ *     s_j = scale q·k_j (-inf where the mask is 0),  p = softmax(s),  o = Σ_j p_j v_j,
+ *
+ * for every row b < B and head h < H, in one call: PyTorch's batched products pay about a
+ * microsecond of dispatch per (row, head), 512 of them in a beam search of 16 sentences x 4 beams x 8
+ * heads. Row b reads keys and values of row b / copies (the beams of one source share its encoder
+ * keys), head h those of head h / (H / H_kv) (grouped-query attention); the mask row is b / mask_div.
+ * q, k, v are strided views (element strides per row, head and, for k and v, position; the head
+ * dimension is contiguous), the mask is bytes (1 = may attend) or NULL, out is (B, H, hd) contiguous,
+ * hd a multiple of 16 up to 256, T_k up to 16384. A query that may attend to no key gets 0.
+ */
+#define MAX_HD 256
+#define MAX_TK 16384
+
+void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
+                    const float *k, const float *v, int64_t ksb, int64_t ksh, int64_t kst,
+                    int64_t vsb, int64_t vsh, int64_t vst,
+                    const uint8_t *mask, int64_t msb, int64_t mst, int64_t mask_div,
+                    float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
+                    int64_t copies, float scale) {
+    const int64_t group = H / H_kv, nv = hd / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < B * H; task++) {
+        const int64_t b = task / H, h = task % H;
+        const float *qb = q + b * qsb + h * qsh;
+        const float *kb = k + (b / copies) * ksb + (h / group) * ksh;
+        const float *vb = v + (b / copies) * vsb + (h / group) * vsh;
+        const uint8_t *mb = mask ? mask + (b / mask_div) * msb : 0;
+        float s[MAX_TK], top = -INFINITY, sum = 0.0f;
+        __m512 qv[MAX_HD / 16], acc[MAX_HD / 16];
+        for (int64_t i = 0; i < nv; i++) {
+            qv[i] = _mm512_mul_ps(_mm512_loadu_ps(qb + 16 * i), _mm512_set1_ps(scale));
+            acc[i] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < T_k; j++) {
+            if (mb && !mb[j * mst]) {
+                s[j] = -INFINITY;
+                continue;
+            }
+            const float *kj = kb + j * kst;
+            __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+            for (int64_t i = 1; i < nv; i++) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kj + 16 * i), d);
+            s[j] = _mm512_reduce_add_ps(d);
+            top = s[j] > top ? s[j] : top;
+        }
+        float *o = out + task * hd;
+        if (top == -INFINITY) {                                 /* nothing to attend to */
+            for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_setzero_ps());
+            continue;
+        }
+        for (int64_t j = 0; j < T_k; j++) {
+            float p = expf(s[j] - top);                         /* exp(-inf) = 0 for masked keys */
+            sum += p;
+            if (p == 0.0f) continue;
+            const float *vj = vb + j * vst;
+            __m512 pb = _mm512_set1_ps(p);
+            for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vj + 16 * i), acc[i]);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], inv));
     }
 }

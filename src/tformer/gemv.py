@@ -36,7 +36,7 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC"]
 CHUNK_ROWS = 64       # rows per call of the kernel (8 at a time inside), so that they stay in the core's cache
-PLAN_ROWS = 8         # a Gemv plan pays up to this many rows per step; above, oneDNN's packed kernel is faster
+PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
 BLOCK = 16            # output features per block: one AVX-512 register of fp32
 HUGE_PAGE = 2 << 20   # x86-64 huge page: a packed weight at least this large lives in huge pages
 
@@ -103,6 +103,18 @@ def _kernel():
     return fn
 
 
+@functools.cache
+def _attend_kernel():
+    if _kernel() is None:
+        return None
+    fn = ctypes.CDLL(str(library_path())).tformer_attend
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6
+                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 6
+                   + [ctypes.c_float])
+    fn.restype = None
+    return fn
+
+
 def available() -> bool:
     """Whether the kernel is built and can run here."""
     return _kernel() is not None
@@ -157,3 +169,30 @@ def main() -> None:
         print(f"tformer.gemv: built {build()}")
     except RuntimeError as e:
         print(f"tformer.gemv: not built ({e}); decoding uses oneDNN's kernels")
+
+
+MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and up to MAX_KEYS keys
+MAX_KEYS = 16384
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor | None:
+    """Decoding attention in one call: q (B, H, 1, hd), k and v (B / c, H_kv, T_k, hd) (c beams of
+    one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
+    attention output (B, 1, H·hd), heads side by side as the output projection wants them; None
+    where the kernel does not take these inputs."""
+    B, H, t, hd = q.shape
+    Bk, H_kv, T_k = k.shape[:3]
+    if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or _attend_kernel() is None
+            or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
+        return None
+    mask_args = (None, 0, 0, 1)
+    if mask is not None:
+        if mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) != 1 or B % mask.size(0) or mask.dtype != torch.bool:
+            return None
+        m = mask.expand(mask.size(0), 1, 1, T_k)
+        mask_args = (m.data_ptr(), m.stride(0), m.stride(3), B // m.size(0))
+    out = torch.empty(B, 1, H * hd, dtype=torch.float32)
+    _attend_kernel()(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+                     k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                     *mask_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
+    return out

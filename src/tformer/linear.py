@@ -10,12 +10,15 @@ chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
   AVX-512 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
   memory's full rate on all cores (~30 GB/s here against oneDNN's ~22); it runs the prompts too (up
-  to PROMPT_ROWS rows: F.linear takes 1.3-2.6x as long on this AMD CPU).
+  to PROMPT_ROWS rows: F.linear takes 1.3-2.6x as long on this AMD CPU). Mid-sized matrices (under
+  PACK_MIN) take it at any step size: at 64 rows (Marian's beam search) it does 180-200 GFLOP/s
+  against 120-135 for split and 150-180 for packed.
 - packed (large matrices; bf16 ones from mid size): oneDNN multiplies by a copy of the weight laid
   out for its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost
   per call (~25 µs) is more than small matrices take.
-- split (mid-sized fp32 matrices): the output features are cut into one slice per thread and the
-  slices run as one batched product (`torch.bmm`), which PyTorch spreads over the threads.
+- split (mid-sized fp32 matrices where the kernel is not built): the output features are cut into
+  one slice per thread and the slices run as one batched product (`torch.bmm`), which PyTorch
+  spreads over the threads.
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
 A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv plan:
@@ -100,7 +103,8 @@ class Split(Plan):
 
 class Gemv(Plan):
     """tformer's own fp32 kernel (gemv.py) on a copy of the weight packed for it: planned for decoding
-    steps of up to gemv.PLAN_ROWS rows, it also runs the prompts, up to PROMPT_ROWS rows (there
+    steps of up to gemv.PLAN_ROWS rows (mid-sized matrices: up to MAX_ROWS), it also runs the prompts,
+    up to PROMPT_ROWS rows (there
     it does ~200 GFLOP/s here, against 80-145 for F.linear, whose MKL kernels are slow on AMD CPUs)."""
 
     def __init__(self, weight: Tensor, rows: int):
@@ -131,7 +135,8 @@ class Linear(nn.Linear):
         w, threads = self.weight, torch.get_num_threads()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
             return None
-        if w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and rows <= gemv.PLAN_ROWS and gemv.available():
+        if (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and (rows <= gemv.PLAN_ROWS or w.numel() < PACK_MIN)
+                and gemv.available()):
             return Gemv
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
