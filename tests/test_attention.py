@@ -271,8 +271,14 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
-def test_cache_reorder_keeps_the_chosen_rows_step_after_step():
-    from tformer.attention import KVCache
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cache_reorder_keeps_the_chosen_rows_step_after_step(monkeypatch, in_place):
+    """Copied into the spare buffers (no decoding kernel), or recorded in the lineage (with it)."""
+    from tformer import gemv
+    from tformer.attention import KVCache, follow_lineage
+    if in_place and not gemv.available():
+        pytest.skip("the decoding kernel is not built here")
+    monkeypatch.setattr(gemv, "available", lambda: in_place)
     torch.manual_seed(4)
     cache, rows = KVCache(4, 2, 6, 3), []
     for step in range(4):
@@ -280,8 +286,12 @@ def test_cache_reorder_keeps_the_chosen_rows_step_after_step():
         rows = [torch.cat([r, n], dim=2) for r, n in zip(rows, (k, v))] if rows else [k, v]
         cache.update(k, v)
         index = torch.randint(0, 4, (4,))
-        cache.reorder(index)                                     # into the spare buffers, then swapped
+        cache.reorder(index)
         rows = [r.index_select(0, index) for r in rows]
-        assert torch.equal(cache.k[:, :, :step + 1], rows[0]) and torch.equal(cache.v[:, :, :step + 1], rows[1])
+        keys, values = cache.k[:, :, :step + 1], cache.v[:, :, :step + 1]
+        assert (cache.lineage is not None) == in_place
+        if in_place:
+            keys, values = follow_lineage(keys, values, cache.lineage[:, :step + 1])
+        assert torch.equal(keys, rows[0]) and torch.equal(values, rows[1])
     cache.reorder(torch.tensor([2, 0]))                           # fewer rows: a plain gather
     assert cache.k.shape[0] == 2 and torch.equal(cache.k[:, :, :4], rows[0][[2, 0]])

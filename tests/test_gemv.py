@@ -185,5 +185,37 @@ def test_beam_search_with_the_attention_kernel_matches_without(monkeypatch):
     monkeypatch.setattr(gemv, "attend", lambda *a: calls.append(1) or original(*a))
     fast = model.generate(src, attention_mask=mask, num_beams=4, max_new_tokens=10, eos_token_id=[])
     assert len(calls) >= 2 * 2 * 9                                # self and cross, 2 layers, each new token
-    monkeypatch.setattr(gemv, "attend", lambda *a: None)
-    assert torch.equal(model.generate(src, attention_mask=mask, num_beams=4, max_new_tokens=10, eos_token_id=[]), fast)
+    for name, value in (("attend", lambda *a: None),           # no kernel: keys put in beam order to read
+                        ("available", lambda: False)):         # the cache copied into beam order each step
+        monkeypatch.setattr(gemv, name, value)
+        assert torch.equal(model.generate(src, attention_mask=mask, num_beams=4, max_new_tokens=10,
+                                          eos_token_id=[]), fast)
+
+
+@needs_kernel
+def test_a_reordered_cache_reads_as_the_copied_one():
+    """KVCache.reorder only rewrites the lineage; following it (the kernel, follow_lineage, settle)
+    gives what copying the rows into beam order at each step gives."""
+    from tformer.attention import KVCache, attention, follow_lineage
+    torch.manual_seed(0)
+    B, H, hd, g = 6, 2, 16, torch.Generator().manual_seed(1)
+    cache = KVCache(B, H, 12, hd)
+    new = [(torch.randn(B, H, 3, hd), torch.randn(B, H, 3, hd))] + [(torch.randn(B, H, 1, hd), torch.randn(B, H, 1, hd))
+                                                                   for _ in range(6)]
+    ref_k = ref_v = torch.empty(B, H, 0, hd)
+    for step, (k, v) in enumerate(new):
+        if step:
+            index = torch.randint(0, B, (B,), generator=g)
+            cache.reorder(index)
+            ref_k, ref_v = ref_k[index], ref_v[index]
+        keys, values = cache.update(k, v)
+        ref_k, ref_v = torch.cat([ref_k, k], dim=2), torch.cat([ref_v, v], dim=2)
+        if step:
+            lineage = cache.lineage[:, :cache.length]
+            assert torch.equal(torch.stack(follow_lineage(keys, values, lineage)), torch.stack((ref_k, ref_v)))
+            q = torch.randn(B, H, 1, hd)
+            expected = attention(q, ref_k, ref_v).transpose(1, 2).reshape(B, 1, H * hd)
+            torch.testing.assert_close(gemv.attend(q, keys, values, None, hd ** -0.5, lineage), expected)
+    assert cache.lineage is not None and not torch.equal(cache.k[:, :, :cache.length], ref_k)   # nothing was moved
+    cache.reorder(torch.tensor([5, 0, 0]))                        # fewer rows: settles, then keeps them
+    assert cache.lineage is None and torch.equal(cache.k[:, :, :cache.length], ref_k[[5, 0, 0]])

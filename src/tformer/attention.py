@@ -97,15 +97,17 @@ def decoding_a_batch(q: Tensor, t: int) -> bool:
     return t == 1 and q.size(-2) <= 16 and q.size(0) * q.size(1) * q.size(-2) >= 256
 
 
-def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor | None:
+def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
+                       lineage: Tensor | None = None) -> Tensor | None:
     """A decoding step on a CPU in fp32 (one new query per row, no gradient) through tformer's kernel
     (gemv.attend): every (row, head) in one call, the beams of a source reading its keys in place
-    (no fold_copies), the heads written side by side -> (B, 1, H·hd). 2x the batched products at
+    (no fold_copies), a beam its ancestors' keys where they were written (`lineage`, KVCache), the
+    heads written side by side -> (B, 1, H·hd). 2x the batched products at
     Marian's beam search (64 rows x 8 heads: 290 -> 145 µs), 1.25x the flash kernel at GPT-2's batch 1
     (BENCHMARKS.md). None where the kernel does not apply (the caller then uses the paths above)."""
     if q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(-2) != 1:
         return None
-    return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5)
+    return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
 
 
 def fold_copies(q: Tensor, copies: int) -> Tensor:
@@ -140,6 +142,16 @@ class KVCache:
 
     `update` writes the new positions at [length, length + T) and returns the filled part, so the
     same attention code serves the prompt (prefill, T = prompt length) and each new token (T = 1).
+
+    Beam search continues row index[i] in row i after each step (`reorder`). Where tformer's decoding
+    kernel reads the cache (fp32 on a CPU where it is built) nothing moves: `lineage` (B, T_max)
+    records which row's slot holds each position of each row's sequence,
+
+        lineage[i, :length] = lineage[index[i], :length]     (reorder)
+        lineage[i, length]  = i                              (update: each row writes its own slot)
+
+    and the kernel follows it (gemv.attend); other readers get the keys in row order from
+    `follow_lineage`. Elsewhere the filled positions are copied into beam order at every step.
     """
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=None, device=None):
@@ -147,6 +159,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.lineage: Tensor | None = None                      # (B, T_max) int32 once reordered in place
         self.spare: tuple[Tensor, Tensor] | None = None        # beam search's reorder writes here
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -155,24 +168,51 @@ class KVCache:
             raise ValueError(f"KV cache is full: {end} positions needed, {self.k.size(2)} allocated")
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
+        if self.lineage is not None:
+            self.lineage[:, start:end] = self._own_rows()
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def _own_rows(self) -> Tensor:
+        return torch.arange(self.k.size(0), dtype=torch.int32, device=self.k.device)[:, None]
+
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows `index` (beam search: continue the beams that survived). Only the filled
-        positions move, into a second pair of buffers kept for this (a fresh one each step would cost
-        page faults: half of the time of the gather itself); the two pairs then swap."""
+        """Keep batch rows `index` (beam search: continue the beams that survived). With the
+        decoding kernel: in `lineage` only. Otherwise only the filled positions move, into a second
+        pair of buffers kept for this (a fresh one each step would cost page faults: half of the time
+        of the gather itself); the two pairs then swap."""
+        n = self.length
         if index.size(0) != self.k.size(0):
+            self.settle()
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
             self.spare = None
+            return
+        if self.k.device.type == "cpu" and self.k.dtype == torch.float32 and gemv.available():
+            if self.lineage is None:
+                self.lineage = torch.empty(self.k.shape[:1] + self.k.shape[2:3], dtype=torch.int32)
+                self.lineage[:, :n] = self._own_rows()
+            self.lineage[:, :n] = self.lineage[:, :n].index_select(0, index)
             return
         if self.spare is None:
             self.spare = (torch.empty_like(self.k), torch.empty_like(self.v))
         k, v = self.spare
-        n = self.length
         torch.index_select(self.k[:, :, :n], 0, index, out=k[:, :, :n])
         torch.index_select(self.v[:, :, :n], 0, index, out=v[:, :, :n])
         self.spare, self.k, self.v = (self.k, self.v), k, v
+
+    def settle(self) -> None:
+        """Move the filled positions into row order and drop the lineage."""
+        if self.lineage is not None:
+            n = self.length
+            lineage, self.lineage = self.lineage[:, :n], None
+            self.k[:, :, :n], self.v[:, :, :n] = follow_lineage(self.k[:, :, :n], self.v[:, :, :n], lineage)
+
+
+def follow_lineage(k: Tensor, v: Tensor, lineage: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values (B, H_kv, T, hd) as KVCache holds them, and its lineage (B, T) -> the same in
+    row order: position j of row b from row lineage[b, j]."""
+    index = lineage.long()[:, None, :, None].expand_as(k)
+    return k.gather(0, index), v.gather(0, index)
 
 
 class CrossKVCache:
@@ -223,6 +263,7 @@ class MultiHeadAttention(nn.Module):
         With `packing` (self-attention), x and the output hold only the real tokens: (N, D).
         `position_bias` (1, H, T_q, T_k) is added to the scores (T5's relative positions)."""
         B, T = packing.shape if packing is not None else x.shape[:2]
+        lineage = None                                   # KVCache.lineage: which row holds each cached position
         if self.cross:
             q = self.split_heads(self.q_proj(x), self.n_heads)                  # (B, H, T_q, hd)
             if cache is not None and cache.k is not None:
@@ -241,11 +282,14 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rotary(q, positions), self.rotary(k, positions)
             if cache is not None:
                 k, v = cache.update(k, v)                                        # (B, H_kv, T_k, hd)
+                lineage = cache.lineage[:, :k.size(2)] if cache.lineage is not None else None
 
         if not need_weights and position_bias is None and packing is None:
-            out = decoding_attention(q, k, v, mask, self.scale)
+            out = decoding_attention(q, k, v, mask, self.scale, lineage)
             if out is not None:
                 return self.out_proj(out), None
+        if lineage is not None:
+            k, v = follow_lineage(k, v, lineage)
         if self.cross:
             q = fold_copies(q, copies)
         dropout_p = self.dropout if self.training else 0.0

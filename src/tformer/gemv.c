@@ -110,6 +110,9 @@ void tformer_gemv(const float *p, const float *x, const float *bias, float *y, i
  * q, k, v are strided views (element strides per row, head and, for k and v, position; the head
  * dimension is contiguous), the mask is bytes (1 = may attend) or NULL, out is (B, H, hd) contiguous,
  * hd a multiple of 16 up to 256, T_k up to 16384. A query that may attend to no key gets 0.
+ * With `lineage` (beam search; copies = 1), position j of row b is held by row lineage[b, j] (a beam
+ * reads its ancestors' keys where they were written, instead of the cache being copied into beam order
+ * at every step).
  */
 #define MAX_HD 256
 #define MAX_TK 16384
@@ -118,7 +121,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                     const float *k, const float *v, int64_t ksb, int64_t ksh, int64_t kst,
                     int64_t vsb, int64_t vsh, int64_t vst,
                     const uint8_t *mask, int64_t msb, int64_t mst, int64_t mask_div,
-                    float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
+                    const int32_t *lineage, int64_t lsb, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
                     int64_t copies, float scale) {
     const int64_t group = H / H_kv, nv = hd / 16;
 #pragma omp parallel for schedule(static)
@@ -128,6 +131,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
         const float *kb = k + (b / copies) * ksb + (h / group) * ksh;
         const float *vb = v + (b / copies) * vsb + (h / group) * vsh;
         const uint8_t *mb = mask ? mask + (b / mask_div) * msb : 0;
+        const int32_t *lb = lineage ? lineage + b * lsb : 0;     /* key j is then row lb[j]'s, not row b's */
         float s[MAX_TK], top = -INFINITY, sum = 0.0f;
         __m512 qv[MAX_HD / 16], acc[MAX_HD / 16];
         for (int64_t i = 0; i < nv; i++) {
@@ -139,7 +143,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                 s[j] = -INFINITY;
                 continue;
             }
-            const float *kj = kb + j * kst;
+            const float *kj = kb + j * kst + (lb ? (lb[j] - b) * ksb : 0);
             __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
             for (int64_t i = 1; i < nv; i++) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kj + 16 * i), d);
             s[j] = _mm512_reduce_add_ps(d);
@@ -154,7 +158,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
             float p = expf(s[j] - top);                         /* exp(-inf) = 0 for masked keys */
             sum += p;
             if (p == 0.0f) continue;
-            const float *vj = vb + j * vst;
+            const float *vj = vb + j * vst + (lb ? (lb[j] - b) * vsb : 0);
             __m512 pb = _mm512_set1_ps(p);
             for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vj + 16 * i), acc[i]);
         }

@@ -109,7 +109,8 @@ def _attend_kernel():
         return None
     fn = ctypes.CDLL(str(library_path())).tformer_attend
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6
-                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 6
+                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                   + [ctypes.c_int64] * 6
                    + [ctypes.c_float])
     fn.restype = None
     return fn
@@ -156,9 +157,9 @@ def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
     y = torch.empty(m, n, dtype=torch.float32)
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
     b = None if bias is None else bias.data_ptr()
+    kernel, p, xp, yp = _kernel(), packed.data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
-        rows = min(CHUNK_ROWS, m - start)
-        _kernel()(packed.data_ptr(), x[start].data_ptr(), b, y[start].data_ptr(), rows, n, k)
+        kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
     return y
 
 
@@ -175,16 +176,23 @@ MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and u
 MAX_KEYS = 16384
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor | None:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+           lineage: Tensor | None = None) -> Tensor | None:
     """Decoding attention in one call: q (B, H, 1, hd), k and v (B / c, H_kv, T_k, hd) (c beams of
     one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
     attention output (B, 1, H·hd), heads side by side as the output projection wants them; None
-    where the kernel does not take these inputs."""
+    where the kernel does not take these inputs. `lineage` (B, T_k) int32 (rows contiguous; c = 1):
+    position j of row b is held by row lineage[b, j] of k and v (attention.KVCache)."""
     B, H, t, hd = q.shape
     Bk, H_kv, T_k = k.shape[:3]
     if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or _attend_kernel() is None
             or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
         return None
+    lineage_args = (None, 0)
+    if lineage is not None:
+        if Bk != B or lineage.shape != (B, T_k) or lineage.dtype != torch.int32 or lineage.stride(1) != 1:
+            return None
+        lineage_args = (lineage.data_ptr(), lineage.stride(0))
     mask_args = (None, 0, 0, 1)
     if mask is not None:
         if mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) != 1 or B % mask.size(0) or mask.dtype != torch.bool:
@@ -194,5 +202,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -
     out = torch.empty(B, 1, H * hd, dtype=torch.float32)
     _attend_kernel()(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
                      k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                     *mask_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
+                     *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
     return out

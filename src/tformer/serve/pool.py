@@ -27,6 +27,8 @@ from torch import Tensor
 class SlotLayer:
     """One layer's self-attention cache over the pool (the KVCache protocol: update -> all keys)."""
 
+    lineage = None                      # every row holds its own positions (attention.KVCache)
+
     def __init__(self, k: Tensor, v: Tensor):
         self.k, self.v = k, v
         self.rows = self.pos = None     # set by PoolCache for each step
