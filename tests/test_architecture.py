@@ -1,6 +1,6 @@
 """The layers of src/tformer, checked: who may import whom, no import cycles, no borrowed private names.
 
-    model core (config, masks, attention, positional, linear, layers, embeddings, pooling, models, heads,
+    model core (config, masks, attention, kv_cache, positional, linear, layers, embeddings, pooling, models, heads,
                 dropout, quant; below them: errors, devices)
       -> generation -> tasks / training -> cli
 
@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
-CORE_MODULES = ["config", "masks", "attention", "positional", "linear", "gemv", "layers", "embeddings", "pooling",
-                "models", "heads", "dropout", "quant"]
+CORE_MODULES = ["config", "masks", "attention", "kv_cache", "positional", "linear", "gemv", "layers", "embeddings",
+                "pooling", "models", "heads", "dropout", "quant"]
 CORE = {f"tformer.{m}" for m in CORE_MODULES + ["errors", "devices"]} | {"tformer"}
 
 # The one import from the core upward: model.generate(...) / model.stream(...) forward to the
@@ -200,7 +200,8 @@ def test_every_module_is_short():
 def test_the_package_loads_its_public_names_on_first_use():
     code = ("import sys, tformer; before = {m for m in sys.modules if m.startswith('tformer.')}; "
             "names = [getattr(tformer, n) for n in tformer.__all__]; "
-            "print(sorted(before - {'tformer.' + m for m in ('attention', 'dropout', 'linear', 'gemv', 'masks', "
-            "'devices', 'errors')}), tformer.__version__, callable(tformer.attention), tformer.Decoder.__module__)")
+            "print(sorted(before - {'tformer.' + m for m in ('attention', 'kv_cache', 'dropout', 'linear', 'gemv', "
+            "'masks', 'devices', 'errors')}), tformer.__version__, callable(tformer.attention), "
+            "tformer.Decoder.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "0.1.0", "True", "tformer.models"]

@@ -239,7 +239,7 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
     left-padded cache, and cross-attention of 4 beams per source; both equal torch.nn on full inputs."""
     import sys
 
-    from tformer.attention import KVCache
+    from tformer.kv_cache import KVCache
     A = sys.modules["tformer.attention"]                         # (tformer.attention is also the function)
     calls = []
     monkeypatch.setattr(A, "unfused_attention", lambda *a, **k: calls.append(1) or unfused_attention(*a, **k))
@@ -275,7 +275,7 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
 def test_cache_reorder_keeps_the_chosen_rows_step_after_step(monkeypatch, in_place):
     """Copied into the spare buffers (no decoding kernel), or recorded in the lineage (with it)."""
     from tformer import gemv
-    from tformer.attention import KVCache, follow_lineage
+    from tformer.kv_cache import KVCache, follow_lineage
     if in_place and not gemv.available():
         pytest.skip("the decoding kernel is not built here")
     monkeypatch.setattr(gemv, "available", lambda: in_place)

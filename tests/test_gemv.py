@@ -1,6 +1,8 @@
 """tformer.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
 plan takes it where it is built, and it runs on PyTorch's own OpenMP threads."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,12 +81,13 @@ def test_decoding_with_the_kernel_matches_the_plain_forward(monkeypatch):
 
 @needs_kernel
 def test_one_openmp_runtime():
-    """The library's libgomp.so.1 is the copy PyTorch loaded: one OpenMP runtime in the process."""
-    w = torch.randn(4096, 512)
-    gemv.gemv(gemv.pack(w), torch.randn(1, 512), None, 4096)
-    with open("/proc/self/maps") as maps:
-        runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
-    assert len(runtimes) == 1, runtimes
+    """The library's libgomp.so.1 is the copy PyTorch loaded: one OpenMP runtime in the process (a
+    fresh one: a test that imported CTranslate2 here has loaded that wheel's own libgomp)."""
+    code = ("import torch; from tformer import gemv; w = torch.randn(4096, 512); "
+            "gemv.gemv(gemv.pack(w), torch.randn(1, 512), None, 4096); "
+            "print(len({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l or 'libiomp' in l}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1"]
 
 
 def test_build_says_why_it_cannot(monkeypatch, tmp_path):
@@ -196,7 +199,8 @@ def test_beam_search_with_the_attention_kernel_matches_without(monkeypatch):
 def test_a_reordered_cache_reads_as_the_copied_one():
     """KVCache.reorder only rewrites the lineage; following it (the kernel, follow_lineage, settle)
     gives what copying the rows into beam order at each step gives."""
-    from tformer.attention import KVCache, attention, follow_lineage
+    from tformer.attention import attention
+    from tformer.kv_cache import KVCache, follow_lineage
     torch.manual_seed(0)
     B, H, hd, g = 6, 2, 16, torch.Generator().manual_seed(1)
     cache = KVCache(B, H, 12, hd)
@@ -219,3 +223,76 @@ def test_a_reordered_cache_reads_as_the_copied_one():
     assert cache.lineage is not None and not torch.equal(cache.k[:, :, :cache.length], ref_k)   # nothing was moved
     cache.reorder(torch.tensor([5, 0, 0]))                        # fewer rows: settles, then keeps them
     assert cache.lineage is None and torch.equal(cache.k[:, :, :cache.length], ref_k[[5, 0, 0]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_bf16_packed_weights_multiply_exactly_in_fp32(rows):
+    torch.manual_seed(rows)
+    n, k = 300, 96
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    rounded = w.bfloat16().double()
+    exact = x.double() @ rounded.T + b.double()                   # only the weights rounded, products exact
+    scale = x.abs().double() @ rounded.abs().T + b.abs().double()
+    assert ((gemv.gemv(gemv.pack(w, torch.bfloat16), x, b, n) - exact).abs() <= (k + 1) * 2.0 ** -24 * scale).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_a_slice_of_blocks_is_bit_for_bit_the_whole_products_columns(rows):
+    torch.manual_seed(rows)
+    n, k = 16 * 7 + 5, 64                                          # 8 blocks, the last one partial
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    packed = gemv.pack(w)
+    whole = gemv.gemv(packed, x, b, n)
+    for first in (0, 2, 6):
+        part = gemv.gemv(packed, x, b, n, slice(first, first + 2))
+        assert torch.equal(part, whole[:, 16 * first:16 * first + part.size(1)])
+
+
+def _head(n: int, k: int, seed: int) -> Linear:
+    """An output layer whose rows hold exact duplicates and near-duplicates (closer than bf16 can
+    tell apart), so that the screen passes several candidates and the exact products must decide."""
+    torch.manual_seed(seed)
+    head = Linear(k, n)
+    with torch.no_grad():
+        head.weight[7] = head.weight[3]                            # a tie: the first index wins
+        head.bias[7] = head.bias[3]
+        head.weight[40] = head.weight[41] * (1 + 2.0 ** -12)       # equal in bf16, not in fp32
+        head.weight[n - 1] = head.weight[5] * (1 - 2.0 ** -12)
+    return head
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_screened_argmax_is_the_argmax_of_the_whole_output(rows):
+    head = _head(1000, 128, rows)
+    assert plan_decoding(head, rows) == 1 and isinstance(head.plan, Gemv)
+    with torch.no_grad():
+        for trial in range(20):
+            x = torch.randn(rows, 128)
+            if trial % 2:                                          # steer every row to the tied / close rows
+                x = torch.stack([head.weight[[3, 41, 5][i % 3]] for i in range(rows)]) * 4
+            got = head.argmax(x)
+            expected = head(x).argmax(dim=-1)                      # the first of equals, as torch documents
+            assert torch.equal(got, expected), trial
+        assert head.argmax(torch.full((rows, 128), float("nan"))) is None
+        assert head.argmax(torch.randn(gemv.PLAN_ROWS + 1, 128)) is None          # more rows: no screen
+    assert head.plan.screen.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_greedy_decoding_through_the_screen_matches_the_logits(monkeypatch):
+    from tformer.config import ModelConfig
+    from tformer.models import Decoder
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=2, max_seq_len=64)).eval()
+    ids = torch.randint(0, 4096, (3, 12))
+    calls = []
+    original = Linear.argmax
+    monkeypatch.setattr(Linear, "argmax", lambda self, x: calls.append(1) or original(self, x))
+    screened = model.generate(ids, max_new_tokens=16)
+    assert len(calls) == 16 and model.lm_head.plan.screen is not None
+    monkeypatch.setattr(Linear, "argmax", lambda self, x: None)
+    assert torch.equal(model.generate(ids, max_new_tokens=16), screened)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, repetition_penalty=1.0), screened)

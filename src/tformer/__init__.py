@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 
 # Loaded now, not lazily: the submodule `tformer.attention` shares its name with the function, and
-# this import is what makes `tformer.attention` the function (as it always was). It is model core.
-from .attention import Cache, KVCache, MultiHeadAttention, attention
+# this import is what makes `tformer.attention` the function (as it always was). It is model core,
+# and loads the KV cache's module with it.
+from .attention import MultiHeadAttention, attention
+from .kv_cache import Cache, KVCache
 
 __version__ = "0.1.0"
 

@@ -26,13 +26,22 @@ static inline __mmask16 tail(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
+/* Weights i .. i + 15 of a packed matrix: fp32, or bf16 widened exactly to fp32 (a bf16 is the top
+ * half of the fp32 it was rounded from). */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
 /* M <= 8 rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1): outputs n0 .. n0 + 15
- * (.. n0 + 31), the last block's tail masked off. */
-static inline __attribute__((always_inline)) void pass(const float *p, const float *x, float *y,
+ * (.. n0 + 31), the last block's tail masked off. Weights fp32, or bf16 (bf16 = 1). */
+static inline __attribute__((always_inline)) void pass(const void *p, const float *x, float *y,
                                                        const float *bias, int64_t K, int64_t N,
-                                                       int64_t n0, const int M, const int two) {
+                                                       int64_t n0, const int M, const int two, const int bf16) {
     __m512 a[MAX_M], c[MAX_M];                  /* one block: even / odd k; two: first / second block */
-    const float *q = p + K * 16;
+    const void *q = (const char *)p + K * 16 * (bf16 ? 2 : 4);
     __mmask16 ma = tail(N - n0), mc = two ? tail(N - n0 - 16) : 0;
     __m512 ba = bias ? _mm512_maskz_loadu_ps(ma, bias + n0) : _mm512_setzero_ps();
     __m512 bc = bias && two ? _mm512_maskz_loadu_ps(mc, bias + n0 + 16) : _mm512_setzero_ps();
@@ -42,7 +51,7 @@ static inline __attribute__((always_inline)) void pass(const float *p, const flo
     }
     if (two) {
         for (int64_t k = 0; k < K; k++) {
-            __m512 w0 = _mm512_loadu_ps(p + k * 16), w1 = _mm512_loadu_ps(q + k * 16);
+            __m512 w0 = load16(p, k * 16, bf16), w1 = load16(q, k * 16, bf16);
             for (int m = 0; m < M; m++) {
                 __m512 xb = _mm512_set1_ps(x[m * K + k]);
                 a[m] = _mm512_fmadd_ps(w0, xb, a[m]);
@@ -53,14 +62,14 @@ static inline __attribute__((always_inline)) void pass(const float *p, const flo
     } else {
         int64_t k = 0;
         for (; k + 2 <= K; k += 2) {
-            __m512 w0 = _mm512_loadu_ps(p + k * 16), w1 = _mm512_loadu_ps(p + (k + 1) * 16);
+            __m512 w0 = load16(p, k * 16, bf16), w1 = load16(p, (k + 1) * 16, bf16);
             for (int m = 0; m < M; m++) {
                 a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
                 c[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), c[m]);
             }
         }
         if (k < K) {
-            __m512 w0 = _mm512_loadu_ps(p + k * 16);
+            __m512 w0 = load16(p, k * 16, bf16);
             for (int m = 0; m < M; m++) a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
         }
         for (int m = 0; m < M; m++) a[m] = _mm512_add_ps(a[m], c[m]);
@@ -70,16 +79,20 @@ static inline __attribute__((always_inline)) void pass(const float *p, const flo
 
 #define ROWS(R)                                                                 \
     case R:                                                                     \
-        if (two)                                                                \
-            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 1);              \
+        if (two && bf16)                                                        \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 1, 1);           \
+        else if (two)                                                           \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 1, 0);           \
+        else if (bf16)                                                          \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 0, 1);           \
         else                                                                    \
-            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 0);              \
+            pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 0, 0);           \
         break;
 
 /* All M rows times the block(s) of one pass, 8 rows at a time: the blocks come from memory for the
  * first 8 and from the core's cache for the next. */
-static void pass_rows(const float *p, const float *x, float *y, const float *bias, int64_t M, int64_t N,
-                      int64_t K, int64_t n0, int two) {
+static void pass_rows(const void *p, const float *x, float *y, const float *bias, int64_t M, int64_t N,
+                      int64_t K, int64_t n0, int two, int bf16) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         switch (M - m0 < MAX_M ? M - m0 : MAX_M) {
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
@@ -87,17 +100,29 @@ static void pass_rows(const float *p, const float *x, float *y, const float *bia
     }
 }
 
-/* x (M, K), P (ceil(N / 16), K, 16), bias (N) or NULL, y (M, N); all contiguous fp32; M >= 1 (a few
- * dozen at most, so that x stays in the core's cache while the blocks stream by). */
-void tformer_gemv(const float *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+static void gemv(const void *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                 int bf16) {
     int64_t blocks = (N + 15) / 16, width = M >= 3 ? 2 : 1, passes = (blocks + width - 1) / width;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < passes; i++) {
         int64_t b = i * width;
-        pass_rows(p + b * K * 16, x, y, bias, M, N, K, b * 16, width == 2 && b + 1 < blocks);
+        pass_rows((const char *)p + b * K * 16 * (bf16 ? 2 : 4), x, y, bias, M, N, K, b * 16,
+                  width == 2 && b + 1 < blocks, bf16);
     }
 }
 
+/* x (M, K), P (ceil(N / 16), K, 16), bias (N) or NULL, y (M, N); all contiguous fp32; M >= 1 (a few
+ * dozen at most, so that x stays in the core's cache while the blocks stream by). */
+void tformer_gemv(const float *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    gemv(p, x, bias, y, M, N, K, 0);
+}
+
+/* The same with P in bf16 (uint16 bits): half the bytes to read, each product exact in fp32 (only the
+ * weights were rounded), summed in fp32. */
+void tformer_gemv_bf16(const uint16_t *p, const float *x, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K) {
+    gemv(p, x, bias, y, M, N, K, 1);
+}
 
 /* Decoding attention: one query per (row, head) against that row's cached keys and values,
  *

@@ -104,6 +104,16 @@ def _kernel():
 
 
 @functools.cache
+def _bf16_kernel():
+    if _kernel() is None:
+        return None
+    fn = ctypes.CDLL(str(library_path())).tformer_gemv_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    fn.restype = None
+    return fn
+
+
+@functools.cache
 def _attend_kernel():
     if _kernel() is None:
         return None
@@ -121,8 +131,8 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def huge_page_empty(*shape: int) -> Tensor:
-    """An uninitialised fp32 tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
+def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
 
     Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware
     prefetcher at each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster here
@@ -130,34 +140,43 @@ def huge_page_empty(*shape: int) -> Tensor:
     does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the memory is
     mapped here; the tensor keeps the mapping alive and unmaps it when freed. Where the system does
     not grant huge pages (transparent huge pages off) this is ordinary memory."""
-    nbytes = 4 * math.prod(shape)
+    nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=torch.float32)
+        return torch.empty(shape, dtype=dtype)
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)                       # before the first touch, which allocates
     raw = torch.frombuffer(area, dtype=torch.uint8)        # holds `area` for the tensor's lifetime
     start = -raw.data_ptr() % HUGE_PAGE                     # huge pages need 2 MiB-aligned addresses
-    return raw[start:start + nbytes].view(torch.float32).view(shape)
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
-def pack(weight: Tensor) -> Tensor:
-    """(N, K) fp32 -> (ceil(N / 16), K, 16): block b holds output features 16b .. 16b + 15."""
+def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(N, K) -> (ceil(N / 16), K, 16) fp32 (or bf16: the weights rounded, half the bytes): block b
+    holds output features 16b .. 16b + 15."""
     n, k = weight.shape
-    w = F.pad(weight.detach().float(), (0, 0, 0, -n % BLOCK))                     # zero rows up to 16·blocks
-    packed = huge_page_empty(w.size(0) // BLOCK, k, BLOCK)
+    w = F.pad(weight.detach().to(dtype), (0, 0, 0, -n % BLOCK))                   # zero rows up to 16·blocks
+    packed = huge_page_empty(w.size(0) // BLOCK, k, BLOCK, dtype=dtype)
     return packed.copy_(w.view(-1, BLOCK, k).transpose(1, 2))
 
 
-def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
-    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from."""
+def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice | None = None) -> Tensor:
+    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from (fp32, or
+    bf16: each product exact in fp32, only W rounded). `blocks` (a slice of whole blocks, start
+    even): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
     x = x.contiguous()
     m, k = x.shape
-    if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32:
+    if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32 or packed.dtype not in (
+            torch.float32, torch.bfloat16):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
-    y = torch.empty(m, n, dtype=torch.float32)
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
-    b = None if bias is None else bias.data_ptr()
-    kernel, p, xp, yp = _kernel(), packed.data_ptr(), x.data_ptr(), y.data_ptr()
+    first = 0
+    if blocks is not None:                                                    # a pair of blocks stays a pair
+        first, stop = blocks.start, min(blocks.stop, packed.size(0))
+        n = min(n, BLOCK * stop) - BLOCK * first
+    y = torch.empty(m, n, dtype=torch.float32)
+    b = None if bias is None else bias.data_ptr() + 4 * BLOCK * first
+    kernel = _kernel() if packed.dtype == torch.float32 else _bf16_kernel()
+    p, xp, yp = packed[first].data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
         kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
     return y

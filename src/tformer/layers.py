@@ -14,9 +14,10 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import CrossKVCache, KVCache, MultiHeadAttention
+from .attention import MultiHeadAttention
 from .config import ModelConfig
 from .dropout import Dropout
+from .kv_cache import CrossKVCache, KVCache
 from .linear import Linear
 from .masks import Packing
 

@@ -112,11 +112,53 @@ class Gemv(Plan):
         self.max_elems = PROMPT_ROWS * weight.size(1)
         self.weight = weight.detach()
         self.packed = gemv.pack(self.weight)
+        self.screen: Tensor | None = None            # argmax(): the weight in bf16, packed when first needed
+        self.slack: Tensor | None = None
 
     def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if x.numel() == 0:
             return F.linear(x, self.weight, bias)
         return gemv.gemv(self.packed, x.reshape(-1, x.size(-1)), bias, self.weight.size(0)).view(*x.shape[:-1], -1)
+
+    def argmax(self, x: Tensor, bias: Tensor | None) -> Tensor | None:
+        """x (M, K), M <= gemv.PLAN_ROWS -> (M,): for each row the index of the largest output of
+        self(x) (the first of equals), exactly, while reading half of W: a language model's output
+        layer is the largest matrix of a decoding step (GPT-2: 154 of 500 MB), and greedy decoding
+        needs only its argmax.
+
+        1. Screen with W rounded to bf16 (`screen`, packed once): ỹ_j = x·w̃_j + b_j, each product exact in
+           fp32, so |ỹ_j - y_j| <= Σ_k |x_k| |w_jk - w̃_jk| + the rounding of the two fp32 sums
+           <= ‖x‖₁ e_j + r (‖x‖₁ a_j + |b_j|) = ‖x‖₁ s_j + r |b_j|: e_j and a_j the largest rounding error
+           and |weight| of row j, r = 2 (K + 5) 2⁻²⁴ (two sums of K + 1 terms, 4 ulps for the
+           comparisons), all padded by 1%.
+        2. Only outputs with ỹ_j + reach_j >= max_i (ỹ_i - reach_i) can be the largest: usually a few.
+        3. Their exact fp32 outputs, from the blocks that hold them (bit for bit those of self(x)),
+           decide. None when x is not finite (the caller then takes all the outputs)."""
+        rounding = 1.01 * 2 * (self.weight.size(1) + 5) * 2.0 ** -24             # r, padded
+        if self.screen is None:
+            w = self.weight.float()
+            rounded = w.bfloat16()
+            error = (w - rounded.float()).abs().amax(dim=1)
+            self.slack = 1.01 * error + rounding * (1 + 2.0 ** -8) * w.abs().amax(dim=1)   # s_j (|w̃| <= |w| (1 + 2⁻⁸))
+            self.screen = gemv.pack(rounded, torch.bfloat16)
+        n = self.weight.size(0)
+        reach = x.abs().sum(dim=1, keepdim=True) * self.slack                    # (M, N)
+        if bias is not None:
+            reach += rounding * bias.abs()
+        rough = gemv.gemv(self.screen, x, bias, n)
+        floor = (rough - reach).amax(dim=1, keepdim=True)
+        if not bool(torch.isfinite(floor).all()):
+            return None
+        rows, cols = torch.nonzero(rough + reach >= floor, as_tuple=True)       # by row, then column
+        best, top = [0] * x.size(0), [float("-inf")] * x.size(0)
+        pairs = cols // (2 * gemv.BLOCK)                                         # the kernel's passes cover pairs
+        for pair in torch.unique(pairs).tolist():                                # of blocks: a pair stays one
+            exact = gemv.gemv(self.packed, x, bias, n, slice(2 * pair, 2 * pair + 2))
+            r, c = rows[pairs == pair], cols[pairs == pair]
+            for i, j, y in zip(r.tolist(), c.tolist(), exact[r, c - 2 * gemv.BLOCK * pair].tolist()):
+                if y > top[i] or (y == top[i] and j < best[i]):                  # the first of equals
+                    top[i], best[i] = y, j
+        return torch.tensor(best)
 
 
 class Linear(nn.Linear):
@@ -129,6 +171,15 @@ class Linear(nn.Linear):
         if plan is not None and plan.usable(x, w):
             return plan(x, self.bias)
         return F.linear(x, w, self.bias)
+
+    def argmax(self, x: Tensor) -> Tensor | None:
+        """(B, in) -> (B,) the index of each row's largest output, the first of equals, without all
+        the outputs where the plan can (Gemv.argmax); None where it cannot."""
+        plan = self.plan
+        if (isinstance(plan, Gemv) and plan.usable(x, self.weight) and x.dim() == 2
+                and 1 <= x.size(0) <= gemv.PLAN_ROWS):
+            return plan.argmax(x.contiguous(), self.bias)
+        return None
 
     def kind_of_plan(self, rows: int = 1) -> type[Plan] | None:
         """Which plan pays for this weight on this machine, for products of about `rows` rows (None: F.linear)."""

@@ -17,10 +17,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .attention import Cache, CrossKVCache, KVCache
 from .config import ModelConfig
 from .embeddings import Embeddings
 from .errors import ConfigError
+from .kv_cache import Cache, CrossKVCache, KVCache
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .masks import Packing, combine, padding_mask, self_attention_mask
@@ -188,17 +188,19 @@ class Decoder(GenerationMixin, nn.Module):
 
     def step(self, ids: Tensor, cache: Cache | None = None, attention_mask: Tensor | None = None,
              positions: Tensor | None = None, memory: Tensor | None = None, src_mask: Tensor | None = None,
-             all_logits: bool = False) -> Tensor:
+             all_logits: bool = False, head: bool = True) -> Tensor:
         """The one entry point for callers that decode (generation, the server, the tracer): feed the
         new tokens `ids` (B, T) at `positions` (B, T) or (T,) (default: after the cache's contents),
         with `attention_mask` (B, cached + T) of 1/0 over every key position (None: no padding), and
         get the next-token logits of the last position (B, V), or of every position (B, T, V) with
         all_logits=True. Their keys and values join `cache` (from new_cache). `memory` / `src_mask`
-        are the encoder-decoder's and must be None here."""
+        are the encoder-decoder's and must be None here. head=False: the hidden states the output
+        layer would read, (B, D) or (B, T, D) (greedy decoding applies `lm_head` itself: Linear.argmax)."""
         if memory is not None:
             raise ConfigError("a Decoder has no encoder: step() takes no memory")
         hidden = self.stack(ids, attention_mask, positions, cache)[0]            # (B, T, D)
-        return self.lm_head(hidden if all_logits else hidden[:, -1])             # (B, T, V) or (B, V)
+        hidden = hidden if all_logits else hidden[:, -1]
+        return self.lm_head(hidden) if head else hidden                          # (B, T, V) or (B, V)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         """Preallocated KV cache for `batch_size` sequences of up to `max_len` positions."""
@@ -254,7 +256,7 @@ class EncoderDecoder(GenerationMixin, nn.Module):
 
     def step(self, ids: Tensor, cache: Cache | None = None, attention_mask: Tensor | None = None,
              positions: Tensor | None = None, memory: Tensor | None = None, src_mask: Tensor | None = None,
-             all_logits: bool = False) -> Tensor:
+             all_logits: bool = False, head: bool = True) -> Tensor:
         """Decoder.step for the target side: `memory` (B, S, D) is encode()'s output and `src_mask`
         (B, S) of 1/0 its padding (None: none). The cross-attention keys and values are computed from
         `memory` at the first step and kept in `cache` (later steps may pass the same memory)."""
@@ -262,7 +264,8 @@ class EncoderDecoder(GenerationMixin, nn.Module):
             raise ConfigError("an EncoderDecoder decodes from the encoder's output: pass memory=model.encode(src)")
         memory_mask = combine(padding_mask(src_mask)) if src_mask is not None else None
         hidden = self.decoder(ids, attention_mask, positions, cache, memory, memory_mask)[0] * self.output_scale
-        return self.lm_head(hidden if all_logits else hidden[:, -1])
+        hidden = hidden if all_logits else hidden[:, -1]
+        return self.lm_head(hidden) if head else hidden
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)

@@ -34,13 +34,17 @@ def sample_steps(p: Prepared, s: Settings, generator: torch.Generator | None) ->
     check_stop = eos is not None or stops or s.stop_strings
     unfinished = torch.ones(seqs.size(0), dtype=torch.bool, device=seqs.device)
     do_greedy = s.greedy
+    plain_greedy = do_greedy and (s.repetition_penalty == 1.0 or p.seen is None)   # argmax of the raw logits
     for step in range(s.max_new_tokens):
         cur = t0 + step
-        logits = p.stepper.next_logits(seqs, cur).float()                       # (N, V)
-        logits = process_logits(logits, p.seen, do_sample=not do_greedy, temperature=s.temperature,
-                                top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                repetition_penalty=s.repetition_penalty)
-        tokens = greedy(logits) if do_greedy else sample(logits, generator)     # (N,)
+        if plain_greedy:
+            tokens = p.stepper.next_greedy(seqs, cur)                           # (N,)
+        else:
+            logits = p.stepper.next_logits(seqs, cur).float()                   # (N, V)
+            logits = process_logits(logits, p.seen, do_sample=not do_greedy, temperature=s.temperature,
+                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                    repetition_penalty=s.repetition_penalty)
+            tokens = greedy(logits) if do_greedy else sample(logits, generator)  # (N,)
         if check_stop:
             tokens = torch.where(unfinished, tokens, s.pad_token_id)
         seqs[:, cur] = tokens

@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..linear import Linear
+from .processors import greedy
+
 
 class Stepper:
     """next_logits(seqs, cur_len) -> (N, V) logits for the token at column cur_len."""
@@ -36,14 +39,23 @@ class Stepper:
             self.mask = torch.cat([attention_mask, pad], dim=1)
             self.positions = (self.mask.long().cumsum(-1) - 1).clamp(min=0)
 
-    def next_logits(self, seqs: Tensor, cur_len: int) -> Tensor:
+    def next_logits(self, seqs: Tensor, cur_len: int, head: bool = True) -> Tensor:
+        """(N, V) logits for the token at column cur_len; head=False: the (N, D) hidden states."""
         start = self.fed if self.use_cache else 0
         ids = seqs[:, start:cur_len]                                             # (N, T_new)
         mask = self.mask[:, :cur_len] if self.mask is not None else None
         positions = self.positions[:, start:cur_len] if self.positions is not None else None
-        logits = self.model.step(ids, self.cache, mask, positions, self.memory, self.src_mask)   # (N, V)
+        out = self.model.step(ids, self.cache, mask, positions, self.memory, self.src_mask, head=head)
         self.fed = cur_len
-        return logits
+        return out
+
+    def next_greedy(self, seqs: Tensor, cur_len: int) -> Tensor:
+        """(N,) greedy tokens for column cur_len: from the output layer's argmax where it can give
+        one without all the logits (linear.Gemv.argmax: exact, half the bytes), else greedy(logits)."""
+        hidden = self.next_logits(seqs, cur_len, head=False)
+        head = self.model.lm_head
+        tokens = head.argmax(hidden) if isinstance(head, Linear) else None
+        return tokens if tokens is not None else greedy(head(hidden).float())
 
     def reorder(self, index: Tensor) -> None:
         """Beam search: row i continues from row index[i]. Only self-attention caches move: the
