@@ -38,6 +38,19 @@ def test_bytes_per_token_counts_each_weight_once_without_position_table():
     assert bytes_per_token(model.to(torch.bfloat16)) == 2 * expected
 
 
+def test_bytes_per_token_counts_the_bf16_screen_a_greedy_step_reads():
+    from tformer import gemv
+    if not gemv.available():
+        pytest.skip("the decoding kernel is not built here")
+    model = tformer.Decoder(tformer.preset("tiny", vocab_size=4096, max_seq_len=32)).eval()
+    full = bytes_per_token(model)
+    model.generate(torch.randint(0, 4096, (1, 4)), max_new_tokens=2)               # greedy: the screen is made
+    head = model.lm_head.weight.numel()
+    assert model.lm_head.plan.screen is not None
+    assert bytes_per_token(model, screened=False) == full
+    assert bytes_per_token(model) == full - 4 * head + 2 * (-(-4096 // 16) * 16) * model.cfg.d_model
+
+
 def test_flops_per_token_matches_hand_count():
     """6 FLOPs per weight per token (2 forward, 4 backward) + QKᵀ and αV: 2·T·D each forward,
     ×3 with backward, per layer."""

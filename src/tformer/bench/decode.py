@@ -44,10 +44,17 @@ def _generators(ours, hf, ids: torch.Tensor, new: int):
     return run_ours, run_hf
 
 
-def bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes one decoding step reads: every weight, except the position table (one row is read)."""
+def bytes_per_token(model: torch.nn.Module, screened: bool = True) -> int:
+    """Bytes one decoding step reads: every weight, except the position table (one row is read); an
+    output layer that has picked greedy tokens through its bf16 screen (linear.Gemv.argmax) reads
+    that instead of its fp32 weight (screened=False: the fp32 weight, as a peer reads it)."""
     tables = [m.weight for m in model.modules() if isinstance(m, LearnedPositions)]
-    return weight_bytes(model) - sum(t.numel() * t.element_size() for t in tables)
+    total = weight_bytes(model) - sum(t.numel() * t.element_size() for t in tables)
+    head = getattr(model, "lm_head", None)
+    screen = getattr(getattr(head, "plan", None), "screen", None)
+    if screened and screen is not None:
+        total += screen.numel() * screen.element_size() - head.weight.numel() * head.weight.element_size()
+    return total
 
 
 class StepClock:

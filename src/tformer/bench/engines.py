@@ -182,11 +182,13 @@ def gpt2_case(models: dict, dtype: str, batch: int, peer: PeerProcess, probe: Re
     extra = {"same_tokens": same,
              "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1, ("int8", 8): 1.2}[dtype, batch]}
     if "read" in times:
-        # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now.
+        # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now; tformer
+        # reads its output layer's bf16 screen (greedy), CTranslate2 the fp32 weight.
         gbps = probe.gbps(times["read"])
-        ceiling = gbps * 1e9 / bytes_per_token(models["fp32"])
-        extra.update(ceiling=ceiling, utilisation=new / times["tformer"] / ceiling,
-                     peer_utilisation=new / times["peer"] / ceiling,
+        ours_bytes, peer_bytes = bytes_per_token(models["fp32"]), bytes_per_token(models["fp32"], screened=False)
+        extra.update(ceiling=gbps * 1e9 / ours_bytes, utilisation=new / times["tformer"] * ours_bytes / gbps / 1e9,
+                     peer_utilisation=new / times["peer"] * peer_bytes / gbps / 1e9,
+                     bytes_per_token=ours_bytes, peer_bytes_per_token=peer_bytes,
                      utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
     name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
     rows = [engine_row(name, "tok/s", batch * new / times["tformer"], batch * new / times["peer"],
