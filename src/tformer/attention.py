@@ -103,9 +103,9 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     """A decoding step on a CPU in fp32 (one new query per row, no gradient) through tformer's kernel
     (gemv.attend): every (row, head) in one call, the beams of a source reading its keys in place
     (no fold_copies), a beam its ancestors' keys where they were written (`lineage`, KVCache), the
-    heads written side by side -> (B, 1, H·hd). 2x the batched products at
-    Marian's beam search (64 rows x 8 heads: 290 -> 145 µs), 1.25x the flash kernel at GPT-2's batch 1
-    (BENCHMARKS.md). None where the kernel does not apply (the caller then uses the paths above)."""
+    heads written side by side -> (B, 1, H·hd). 2x the batched products at Marian's beam search (64
+    rows x 8 heads: 290 -> 145 µs), 1.15-1.25x the flash kernel at GPT-2's batch 1
+    (benchmarks/decode_attention.py). None where the kernel does not apply (the paths above then run)."""
     if q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(-2) != 1:
         return None
     return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)

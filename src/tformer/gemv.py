@@ -13,6 +13,10 @@ source. Anywhere else `available()` is False and linear.py keeps oneDNN's kernel
 
     p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
+
+The same library holds a bf16 variant of the product (`pack(w, torch.bfloat16)`: half the bytes,
+for the output layer's greedy screen, linear.Gemv.argmax) and decoding attention (`attend`: one
+query per row against the cached keys, every row and head in one call).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ CHUNK_ROWS = 64       # rows per call of the kernel (8 at a time inside), so tha
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
 BLOCK = 16            # output features per block: one AVX-512 register of fp32
 HUGE_PAGE = 2 << 20   # x86-64 huge page: a packed weight at least this large lives in huge pages
+MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and up to MAX_KEYS keys
+MAX_KEYS = 16384
 
 
 def library_path() -> Path:
@@ -191,9 +197,6 @@ def main() -> None:
         print(f"tformer.gemv: not built ({e}); decoding uses oneDNN's kernels")
 
 
-MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and up to MAX_KEYS keys
-MAX_KEYS = 16384
-
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
            lineage: Tensor | None = None) -> Tensor | None:
@@ -201,7 +204,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
     attention output (B, 1, H·hd), heads side by side as the output projection wants them; None
     where the kernel does not take these inputs. `lineage` (B, T_k) int32 (rows contiguous; c = 1):
-    position j of row b is held by row lineage[b, j] of k and v (attention.KVCache)."""
+    position j of row b is held by row lineage[b, j] of k and v (kv_cache.KVCache)."""
     B, H, t, hd = q.shape
     Bk, H_kv, T_k = k.shape[:3]
     if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or _attend_kernel() is None

@@ -104,8 +104,9 @@ class Split(Plan):
 class Gemv(Plan):
     """tformer's own fp32 kernel (gemv.py) on a copy of the weight packed for it: planned for decoding
     steps of up to gemv.PLAN_ROWS rows (mid-sized matrices: up to MAX_ROWS), it also runs the prompts,
-    up to PROMPT_ROWS rows (there
-    it does ~200 GFLOP/s here, against 80-145 for F.linear, whose MKL kernels are slow on AMD CPUs)."""
+    up to PROMPT_ROWS rows (there it does ~200 GFLOP/s here, against 80-145 for F.linear, whose MKL
+    kernels are slow on AMD CPUs). An output layer asked for greedy tokens (`argmax`) also keeps a
+    bf16 copy of its weight: half a copy more in memory."""
 
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
