@@ -100,41 +100,26 @@ def build(compiler: str | None = None) -> Path:
 
 
 @functools.cache
-def _kernel():
+def _function(name: str):
+    """The library's C function `name` with its argument types, or None where the library cannot run."""
     if unsupported() or not library_path().exists():
         return None
-    fn = ctypes.CDLL(str(library_path())).tformer_gemv
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    fn.restype = None
-    return fn
-
-
-@functools.cache
-def _bf16_kernel():
-    if _kernel() is None:
-        return None
-    fn = ctypes.CDLL(str(library_path())).tformer_gemv_bf16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    fn.restype = None
-    return fn
-
-
-@functools.cache
-def _attend_kernel():
-    if _kernel() is None:
-        return None
-    fn = ctypes.CDLL(str(library_path())).tformer_attend
-    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6
-                   + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                   + [ctypes.c_int64] * 6
-                   + [ctypes.c_float])
-    fn.restype = None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    argtypes = {
+        "tformer_gemv": [ptr] * 4 + [i64] * 3,                   # p, x, bias, y; M, N, K
+        "tformer_gemv_bf16": [ptr] * 4 + [i64] * 3,
+        "tformer_attend": ([ptr, i64, i64] + [ptr] * 2 + [i64] * 6       # q + strides; k, v + strides
+                           + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
+                           + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
+    }[name]
+    fn = getattr(ctypes.CDLL(str(library_path())), name)
+    fn.argtypes, fn.restype = argtypes, None
     return fn
 
 
 def available() -> bool:
     """Whether the kernel is built and can run here."""
-    return _kernel() is not None
+    return _function("tformer_gemv") is not None
 
 
 def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -181,7 +166,7 @@ def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice |
         n = min(n, BLOCK * stop) - BLOCK * first
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.data_ptr() + 4 * BLOCK * first
-    kernel = _kernel() if packed.dtype == torch.float32 else _bf16_kernel()
+    kernel = _function("tformer_gemv" if packed.dtype == torch.float32 else "tformer_gemv_bf16")
     p, xp, yp = packed[first].data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
         kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
@@ -207,7 +192,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     position j of row b is held by row lineage[b, j] of k and v (kv_cache.KVCache)."""
     B, H, t, hd = q.shape
     Bk, H_kv, T_k = k.shape[:3]
-    if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or _attend_kernel() is None
+    kernel = _function("tformer_attend")
+    if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or kernel is None
             or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
         return None
     lineage_args = (None, 0)
@@ -222,7 +208,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
         m = mask.expand(mask.size(0), 1, 1, T_k)
         mask_args = (m.data_ptr(), m.stride(0), m.stride(3), B // m.size(0))
     out = torch.empty(B, 1, H * hd, dtype=torch.float32)
-    _attend_kernel()(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
-                     k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                     *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
+    kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+           k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
     return out
