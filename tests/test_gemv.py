@@ -1,6 +1,7 @@
 """tformer.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
 plan takes it where it is built, and it runs on PyTorch's own OpenMP threads."""
 
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,17 @@ def test_build_says_why_it_cannot(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match=reason or "no C compiler"):
         gemv.build(compiler="no-such-cc")
     assert not list(tmp_path.iterdir())                          # nothing half-written left behind
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="x86-64 Linux only")
+@pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
+def test_source_builds_for_each_vector_width(monkeypatch, tmp_path, cpu):
+    """The kernel compiles for AVX-512 and for AVX2 whichever CPU runs the tests (only the one it
+    has can run the result), into a library of its own name."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
+    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
+    assert set(gemv.VECTORS[cpu]) <= set(gemv.flags())
+    assert gemv.build().exists()
 
 
 def test_plans_without_the_kernel_are_onednns(monkeypatch):

@@ -1,80 +1,151 @@
-/* y = x Wᵀ + b for a few rows of x (decoding, short prompts), fp32, AVX-512: reads W once, at the
- * memory's rate.
+/* y = x Wᵀ + b for a few rows of x (decoding, short prompts), fp32, AVX-512 or AVX2: reads W once, at
+ * the memory's rate.
  *
- * Built by tformer/gemv.py (`tformer.gemv.main()`, which make runs), loaded with ctypes. W (N, K) is first
- * packed into blocks of 16 output features, each block K x 16 floats and contiguous:
+ * Built by tformer/gemv.py (`tformer.gemv.main()`, which make runs) for the widest vectors the CPU
+ * has, loaded with ctypes. W (N, K) is first packed into blocks of 16 output features, each block
+ * K x 16 floats and contiguous:
  *
  *     P[b, k, j] = W[16 b + j, k]          (N rounded up to 16; the extra rows are zero)
  *
- * so each thread reads its blocks front to back, 64 bytes (one register) per (k, block), and
- * multiplies them by x[m, k] broadcast, for 8 rows m at once; the next 8 rows reuse the blocks from
- * the core's cache, so W is read from memory once for all M rows.
+ * so each thread reads its blocks front to back, 64 bytes (one AVX-512 register, two AVX2 ones) per
+ * (k, block), and multiplies them by x[m, k] broadcast, for up to ROWS rows m at once; the next rows
+ * reuse the blocks from the core's cache, so W is read from memory once for all M rows.
  * One or two rows: a pass covers one block, with two chains of partial sums (even and odd k) to
- * hide the latency of the fused multiply-add. Three rows or more: a pass covers two neighbouring
- * blocks, so each broadcast of x[m, k] feeds two multiply-adds (one per multiply-add, the
- * broadcasts, not the memory, limit 8 rows: GPT-2's matrices 22 -> 18 ms, BENCHMARKS.md).
+ * hide the latency of the fused multiply-add. Three rows or more with AVX-512: a pass covers two
+ * neighbouring blocks, so each broadcast of x[m, k] feeds two multiply-adds (one per multiply-add, the
+ * broadcasts, not the memory, limit 8 rows: GPT-2's matrices 22 -> 18 ms, BENCHMARKS.md); AVX2 has
+ * half the registers, and takes 4 rows of one block at a time.
  * Threads: OpenMP over the passes; the library links libgomp.so.1, which resolves to the copy
  * PyTorch has already loaded, so torch.set_num_threads applies and no second thread pool exists.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
+/* The vector: 16 floats (AVX-512) or 8 (AVX2 + FMA); a block of 16 outputs is PER_BLOCK of them. */
+#ifdef __AVX512F__
+#define LANES 16
 #define MAX_M 8
+#define TWO_BLOCKS 1
+typedef __m512 vec;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vmul _mm512_mul_ps
+#define vfmadd _mm512_fmadd_ps
+static inline vec vload_bf16(const uint16_t *p) {        /* a bf16 is the top half of its fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#else
+#define LANES 8
+#define MAX_M 4
+#define TWO_BLOCKS 0
+typedef __m256 vec;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vmul _mm256_mul_ps
+#define vfmadd _mm256_fmadd_ps
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+#define PER_BLOCK (16 / LANES)
 
-static inline __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+/* Weights i .. i + 15 of a packed matrix: fp32, or bf16 widened exactly to fp32. */
+static inline __attribute__((always_inline)) void load16(vec *w, const void *p, int64_t i, const int bf16) {
+    for (int v = 0; v < PER_BLOCK; v++)
+        w[v] = bf16 ? vload_bf16((const uint16_t *)p + i + v * LANES) : vload((const float *)p + i + v * LANES);
 }
 
-/* Weights i .. i + 15 of a packed matrix: fp32, or bf16 widened exactly to fp32 (a bf16 is the top
- * half of the fp32 it was rounded from). */
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, const int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_loadu_ps((const float *)p + i);
+/* 16 floats to y, of which only the first `left` where the matrix ends inside the block. */
+static inline void store16(float *y, const vec *a, int64_t left) {
+    if (left >= 16) {
+        for (int v = 0; v < PER_BLOCK; v++) vstore(y + v * LANES, a[v]);
+        return;
+    }
+    float tmp[16];
+    for (int v = 0; v < PER_BLOCK; v++) vstore(tmp + v * LANES, a[v]);
+    if (left > 0) memcpy(y, tmp, left * sizeof(float));
 }
 
-/* M <= 8 rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1): outputs n0 .. n0 + 15
- * (.. n0 + 31), the last block's tail masked off. Weights fp32, or bf16 (bf16 = 1). */
+/* The bias of outputs n0 .. n0 + 15 (zero past N, or without a bias). */
+static inline void bias16(vec *b, const float *bias, int64_t N, int64_t n0) {
+    float tmp[16] = {0};
+    if (bias)
+        for (int64_t j = 0; j < 16 && n0 + j < N; j++) tmp[j] = bias[n0 + j];
+    for (int v = 0; v < PER_BLOCK; v++) b[v] = vload(tmp + v * LANES);
+}
+
+/* M <= MAX_M rows times one block (two = 0) or the blocks at p and p + K·16 (two = 1): outputs n0 ..
+ * n0 + 15 (.. n0 + 31), past N left unwritten. Weights fp32, or bf16 (bf16 = 1). */
 static inline __attribute__((always_inline)) void pass(const void *p, const float *x, float *y,
                                                        const float *bias, int64_t K, int64_t N,
                                                        int64_t n0, const int M, const int two, const int bf16) {
-    __m512 a[MAX_M], c[MAX_M];                  /* one block: even / odd k; two: first / second block */
+    vec a[MAX_M][PER_BLOCK], c[MAX_M][PER_BLOCK];     /* one block: even / odd k; two: first / second block */
+    vec ba[PER_BLOCK], bc[PER_BLOCK], w0[PER_BLOCK], w1[PER_BLOCK];
     const void *q = (const char *)p + K * 16 * (bf16 ? 2 : 4);
-    __mmask16 ma = tail(N - n0), mc = two ? tail(N - n0 - 16) : 0;
-    __m512 ba = bias ? _mm512_maskz_loadu_ps(ma, bias + n0) : _mm512_setzero_ps();
-    __m512 bc = bias && two ? _mm512_maskz_loadu_ps(mc, bias + n0 + 16) : _mm512_setzero_ps();
-    for (int m = 0; m < M; m++) {
-        a[m] = ba;
-        c[m] = bc;
-    }
+    bias16(ba, bias, N, n0);
+    bias16(bc, two ? bias : 0, N, n0 + 16);
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < PER_BLOCK; v++) {
+            a[m][v] = ba[v];
+            c[m][v] = two ? bc[v] : vzero();
+        }
     if (two) {
         for (int64_t k = 0; k < K; k++) {
-            __m512 w0 = load16(p, k * 16, bf16), w1 = load16(q, k * 16, bf16);
+            load16(w0, p, k * 16, bf16);
+            load16(w1, q, k * 16, bf16);
             for (int m = 0; m < M; m++) {
-                __m512 xb = _mm512_set1_ps(x[m * K + k]);
-                a[m] = _mm512_fmadd_ps(w0, xb, a[m]);
-                c[m] = _mm512_fmadd_ps(w1, xb, c[m]);
+                vec xb = vset1(x[m * K + k]);
+                for (int v = 0; v < PER_BLOCK; v++) {
+                    a[m][v] = vfmadd(w0[v], xb, a[m][v]);
+                    c[m][v] = vfmadd(w1[v], xb, c[m][v]);
+                }
             }
         }
-        for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n0 + 16, mc, c[m]);
-    } else {
+        for (int m = 0; m < M; m++) store16(y + m * N + n0 + 16, c[m], N - n0 - 16);
+    } else if (M <= 2) {
         int64_t k = 0;
         for (; k + 2 <= K; k += 2) {
-            __m512 w0 = load16(p, k * 16, bf16), w1 = load16(p, (k + 1) * 16, bf16);
+            load16(w0, p, k * 16, bf16);
+            load16(w1, p, (k + 1) * 16, bf16);
             for (int m = 0; m < M; m++) {
-                a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
-                c[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), c[m]);
+                vec x0 = vset1(x[m * K + k]), x1 = vset1(x[m * K + k + 1]);
+                for (int v = 0; v < PER_BLOCK; v++) {
+                    a[m][v] = vfmadd(w0[v], x0, a[m][v]);
+                    c[m][v] = vfmadd(w1[v], x1, c[m][v]);
+                }
             }
         }
         if (k < K) {
-            __m512 w0 = load16(p, k * 16, bf16);
-            for (int m = 0; m < M; m++) a[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), a[m]);
+            load16(w0, p, k * 16, bf16);
+            for (int m = 0; m < M; m++)
+                for (int v = 0; v < PER_BLOCK; v++) a[m][v] = vfmadd(w0[v], vset1(x[m * K + k]), a[m][v]);
         }
-        for (int m = 0; m < M; m++) a[m] = _mm512_add_ps(a[m], c[m]);
+        for (int m = 0; m < M; m++)
+            for (int v = 0; v < PER_BLOCK; v++) a[m][v] = vadd(a[m][v], c[m][v]);
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            load16(w0, p, k * 16, bf16);
+            for (int m = 0; m < M; m++) {
+                vec xb = vset1(x[m * K + k]);
+                for (int v = 0; v < PER_BLOCK; v++) a[m][v] = vfmadd(w0[v], xb, a[m][v]);
+            }
+        }
     }
-    for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(y + m * N + n0, ma, a[m]);
+    for (int m = 0; m < M; m++) store16(y + m * N + n0, a[m], N - n0);
 }
 
 #define ROWS(R)                                                                 \
@@ -89,20 +160,23 @@ static inline __attribute__((always_inline)) void pass(const void *p, const floa
             pass(p, x + m0 * K, y + m0 * N, bias, K, N, n0, R, 0, 0);           \
         break;
 
-/* All M rows times the block(s) of one pass, 8 rows at a time: the blocks come from memory for the
- * first 8 and from the core's cache for the next. */
+/* All M rows times the block(s) of one pass, MAX_M rows at a time: the blocks come from memory for
+ * the first rows and from the core's cache for the next. */
 static void pass_rows(const void *p, const float *x, float *y, const float *bias, int64_t M, int64_t N,
                       int64_t K, int64_t n0, int two, int bf16) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         switch (M - m0 < MAX_M ? M - m0 : MAX_M) {
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#if MAX_M > 4
+            ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
         }
     }
 }
 
 static void gemv(const void *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                  int bf16) {
-    int64_t blocks = (N + 15) / 16, width = M >= 3 ? 2 : 1, passes = (blocks + width - 1) / width;
+    int64_t blocks = (N + 15) / 16, width = TWO_BLOCKS && M >= 3 ? 2 : 1, passes = (blocks + width - 1) / width;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < passes; i++) {
         int64_t b = i * width;
@@ -148,7 +222,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                     const uint8_t *mask, int64_t msb, int64_t mst, int64_t mask_div,
                     const int32_t *lineage, int64_t lsb, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
                     int64_t copies, float scale) {
-    const int64_t group = H / H_kv, nv = hd / 16;
+    const int64_t group = H / H_kv, nv = hd / LANES;
 #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < B * H; task++) {
         const int64_t b = task / H, h = task % H;
@@ -158,10 +232,10 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
         const uint8_t *mb = mask ? mask + (b / mask_div) * msb : 0;
         const int32_t *lb = lineage ? lineage + b * lsb : 0;     /* key j is then row lb[j]'s, not row b's */
         float s[MAX_TK], top = -INFINITY, sum = 0.0f;
-        __m512 qv[MAX_HD / 16], acc[MAX_HD / 16];
+        vec qv[MAX_HD / LANES], acc[MAX_HD / LANES];
         for (int64_t i = 0; i < nv; i++) {
-            qv[i] = _mm512_mul_ps(_mm512_loadu_ps(qb + 16 * i), _mm512_set1_ps(scale));
-            acc[i] = _mm512_setzero_ps();
+            qv[i] = vmul(vload(qb + LANES * i), vset1(scale));
+            acc[i] = vzero();
         }
         for (int64_t j = 0; j < T_k; j++) {
             if (mb && !mb[j * mst]) {
@@ -169,14 +243,14 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                 continue;
             }
             const float *kj = kb + j * kst + (lb ? (lb[j] - b) * ksb : 0);
-            __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-            for (int64_t i = 1; i < nv; i++) d = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kj + 16 * i), d);
-            s[j] = _mm512_reduce_add_ps(d);
+            vec d = vmul(qv[0], vload(kj));
+            for (int64_t i = 1; i < nv; i++) d = vfmadd(qv[i], vload(kj + LANES * i), d);
+            s[j] = vsum(d);
             top = s[j] > top ? s[j] : top;
         }
         float *o = out + task * hd;
         if (top == -INFINITY) {                                 /* nothing to attend to */
-            for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_setzero_ps());
+            for (int64_t i = 0; i < nv; i++) vstore(o + LANES * i, vzero());
             continue;
         }
         for (int64_t j = 0; j < T_k; j++) {
@@ -184,10 +258,10 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
             sum += p;
             if (p == 0.0f) continue;
             const float *vj = vb + j * vst + (lb ? (lb[j] - b) * vsb : 0);
-            __m512 pb = _mm512_set1_ps(p);
-            for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vj + 16 * i), acc[i]);
+            vec pb = vset1(p);
+            for (int64_t i = 0; i < nv; i++) acc[i] = vfmadd(pb, vload(vj + LANES * i), acc[i]);
         }
-        __m512 inv = _mm512_set1_ps(1.0f / sum);
-        for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], inv));
+        vec inv = vset1(1.0f / sum);
+        for (int64_t i = 0; i < nv; i++) vstore(o + LANES * i, vmul(acc[i], inv));
     }
 }

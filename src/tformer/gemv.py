@@ -1,15 +1,17 @@
-"""fp32 products of a few rows by a weight matrix, at the memory's read rate (AVX-512 CPUs).
+"""fp32 products of a few rows by a weight matrix, at the memory's read rate (AVX-512 or AVX2 CPUs).
 
 A decoding step multiplies one row per sequence by every weight matrix, so its speed is how fast
-the weights are read. oneDNN's packed kernel reads fp32 weights at ~22 GB/s here, two thirds of what
-memory delivers (~33 GB/s, BENCHMARKS.md); `gemv.c` reads them at the full rate: the weight is
-packed once into blocks of 16 output features (`pack`), which each thread streams front to back.
+the weights are read. oneDNN's packed kernel reads fp32 weights at ~22 GB/s on an AVX-512 EPYC,
+two thirds of what memory delivers (~33 GB/s), and at 19 of 25 GB/s on an AVX2 one (BENCHMARKS.md);
+`gemv.c` reads them at the full rate: the weight is packed once into blocks of 16 output features
+(`pack`), which each thread streams front to back.
 
 The kernel is C, compiled once at install time (`tformer.gemv.main()`, which `make` runs) into a
 shared library next to this file (or under ~/.cache/tformer when the package directory is
-read-only), and loaded with ctypes. It is used only where it can run: x86-64 Linux with AVX-512,
-PyTorch on OpenMP (the library then shares PyTorch's threads), and a library built from this very
-source. Anywhere else `available()` is False and linear.py keeps oneDNN's kernels.
+read-only), for the CPU's widest vectors (`flags()`), and loaded with ctypes. It is used only where
+it can run: x86-64 Linux with AVX-512 or AVX2, PyTorch on OpenMP (the library then shares PyTorch's
+threads), and a library built from this very source. Anywhere else `available()` is False and
+linear.py keeps oneDNN's kernels.
 
     p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
@@ -38,19 +40,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+VECTORS = {"AVX512": ["-mavx512f"], "AMX": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}   # by PyTorch's name for the CPU
 CHUNK_ROWS = 64       # rows per call of the kernel (8 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
-BLOCK = 16            # output features per block: one AVX-512 register of fp32
+BLOCK = 16            # output features per block: one AVX-512 register of fp32, two AVX2 ones
 HUGE_PAGE = 2 << 20   # x86-64 huge page: a packed weight at least this large lives in huge pages
 MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and up to MAX_KEYS keys
 MAX_KEYS = 16384
 
 
+def flags() -> list[str]:
+    """The compiler's flags for this CPU: its widest vectors (AVX-512, else AVX2 with FMA)."""
+    return FLAGS + VECTORS.get(torch.backends.cpu.get_cpu_capability(), [])
+
+
 def library_path() -> Path:
     """Where the library built from this source with these flags lives (the name carries a hash of
-    both, so a changed source is never run from an old build)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    both, so a changed source, or a checkout moved to a CPU with other vectors, is never run from an
+    old build)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()[:12]
     name = f"_gemv-{digest}.so"
     here = SOURCE.parent
     if os.access(here, os.W_OK) or (here / name).exists():
@@ -62,8 +71,8 @@ def unsupported() -> str | None:
     """Why the kernel cannot run on this machine, or None."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return f"needs x86-64 Linux (this is {sys.platform} {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-        return "the CPU has no AVX-512"
+    if torch.backends.cpu.get_cpu_capability() not in VECTORS:
+        return "the CPU has neither AVX-512 nor AVX2"
     if "OpenMP" not in torch.__config__.parallel_info():
         return "PyTorch is not built with OpenMP"
     return None
@@ -83,7 +92,7 @@ def build(compiler: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags(), str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
             raise RuntimeError(f"{cc} failed: {last}")

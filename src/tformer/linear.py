@@ -8,7 +8,7 @@ at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`
 chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
-  AVX-512 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
+  AVX-512 or AVX2 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
   memory's full rate on all cores (~30 GB/s here against oneDNN's ~22); it runs the prompts too (up
   to PROMPT_ROWS rows: F.linear takes 1.3-2.6x as long on this AMD CPU). Mid-sized matrices (under
   PACK_MIN) take it at any step size: at 64 rows (Marian's beam search) it does 180-200 GFLOP/s
