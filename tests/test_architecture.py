@@ -1,7 +1,7 @@
 """The layers of src/tformer, checked: who may import whom, no import cycles, no borrowed private names.
 
-    model core (config, masks, attention, kv_cache, positional, linear, layers, embeddings, pooling, models, heads,
-                dropout, quant; below them: errors, devices)
+    model core (config, masks, attention, kv_cache, positional, linear, layers, fused, embeddings, pooling, models,
+                heads, dropout, quant; below them: errors, devices)
       -> generation -> tasks / training -> cli
 
 An import inside a function is still an import: the graph below is read with `ast` from every
@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "tformer"
 
-CORE_MODULES = ["config", "masks", "attention", "kv_cache", "positional", "linear", "gemv", "layers", "embeddings",
-                "pooling", "models", "heads", "dropout", "quant"]
+CORE_MODULES = ["config", "masks", "attention", "kv_cache", "positional", "linear", "gemv", "layers", "fused",
+                "embeddings", "pooling", "models", "heads", "dropout", "quant"]
 CORE = {f"tformer.{m}" for m in CORE_MODULES + ["errors", "devices"]} | {"tformer"}
 
 # The one import from the core upward: model.generate(...) / model.stream(...) forward to the

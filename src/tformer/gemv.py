@@ -120,6 +120,7 @@ def _function(name: str):
         "tformer_attend": ([ptr, i64, i64] + [ptr] * 2 + [i64] * 6       # q + strides; k, v + strides
                            + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
                            + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
+        "tformer_gpt_step": ([ptr, i64, ptr] + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_float, ptr]),
     }[name]
     fn = getattr(ctypes.CDLL(str(library_path())), name)
     fn.argtypes, fn.restype = argtypes, None
@@ -221,3 +222,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
     return out
+
+
+def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int, ffn: int, max_len: int,
+             pos: int, eps: float, act: int, scale: float) -> None:
+    """One decoding step through every pre-LN block of a GPT in one call (gemv.c, tformer_gpt_step):
+    x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 14) int64 the addresses
+    of each layer's norms, packed weights, biases and K, V caches (fused.py builds it); position `pos`
+    of the caches is written. The caller checks that everything fits (fused.GPTStep)."""
+    m, d = x.shape
+    width = (heads + 2 * kv_heads) * head_dim
+    scratch = torch.empty(m * (d + width + heads * head_dim + ffn), dtype=torch.float32)
+    _function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
+                                  ffn, max_len, pos, eps, act, scale, scratch.data_ptr())

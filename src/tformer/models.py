@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .embeddings import Embeddings
 from .errors import ConfigError
+from .fused import GPTStep
 from .kv_cache import Cache, CrossKVCache, KVCache
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
@@ -120,6 +121,11 @@ class DecoderStack(nn.Module):
         mask = self_attention_mask(t, offset, attention_mask, causal=True, device=ids.device)
         # T5's bias uses the cache slots as positions (as transformers does), not `positions`
         bias = self.relative_bias(t, offset + t, offset) if self.relative_bias is not None else None
+        if cache is not None and mask is None and bias is None and memory is None and not return_attention:
+            step = self._fused_step()                  # a GPT's decoding step in one kernel call, where it fits
+            y = step(x, cache.layers) if step is not None else None
+            if y is not None:
+                return self.norm(y), [None] * len(self.layers), [None] * len(self.layers)
         self_attn, cross_attn = [], []
         for i, layer in enumerate(self.layers):
             x, weights, cross_weights = layer(
@@ -131,6 +137,12 @@ class DecoderStack(nn.Module):
             self_attn.append(weights)
             cross_attn.append(cross_weights)
         return self.norm(x), self_attn, cross_attn
+
+    def _fused_step(self) -> GPTStep | None:
+        """fused.GPTStep for these layers (made once; None where a layer does not fit)."""
+        if not hasattr(self, "fused"):
+            self.fused = GPTStep.of(self.layers)
+        return self.fused
 
     def new_cache(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device, cross: bool) -> Cache:
         layers = [KVCache(batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) for _ in self.layers]

@@ -1,0 +1,120 @@
+"""A GPT's decoding step in one call of tformer's kernel (gemv.gpt_step), where the model allows it.
+
+A decoding step of GPT-2 at batch 1 reads 417 MB of weights in ~16 ms on a 2-core CPU; layer by layer
+it also runs ~15 PyTorch ops and module calls per layer, ~5 ms more (BENCHMARKS.md). For a stack of
+pre-LN blocks with LayerNorm, multi-head attention without rotary positions and a plain GELU/ReLU FFN
+(GPT-2, GPT-Neo-like shapes), every weight already on the gemv plan, the whole step runs in C:
+
+    step = GPTStep.of(stack.layers)          # None where a layer does not fit
+    x = step(x, caches)                      # (B, 1, D) -> (B, 1, D); None where this step does not fit
+
+Layers are read, not copied: the table of addresses is rebuilt when a plan changes (a new generate,
+an optimizer step), and a step the kernel cannot take (a mask, a beam search's lineage, more than
+gemv.PLAN_ROWS rows, gradients) returns None, and the caller runs the layers as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import gemv
+from .kv_cache import KVCache
+from .layers import ACTIVATIONS, DecoderLayer, PreNorm
+from .linear import Gemv
+
+ACTS = {F.gelu: 0, ACTIVATIONS["gelu_tanh"]: 1, F.relu: 2}     # the kernel's codes
+
+
+def _norm(residual: nn.Module) -> nn.LayerNorm | None:
+    ok = isinstance(residual, PreNorm) and type(residual.norm) is nn.LayerNorm
+    return residual.norm if ok and residual.norm.elementwise_affine else None
+
+
+def _fits(layer: nn.Module) -> bool:
+    if not isinstance(layer, DecoderLayer) or layer.cross_attn is not None:
+        return False
+    attn, ffn = layer.attn, layer.ffn
+    n1, n2 = _norm(layer.attn_residual), _norm(layer.ffn_residual)
+    return (n1 is not None and n2 is not None and n1.eps == n2.eps and attn.rotary is None
+            and not attn.cross and attn.head_dim % 16 == 0 and attn.head_dim <= gemv.MAX_HEAD
+            and not ffn.gated and ffn.act in ACTS)
+
+
+class GPTStep:
+    """The table of one stack's addresses for gemv.gpt_step, valid while every plan is the one it was
+    built from and the caches are the same tensors."""
+
+    def __init__(self, layers: list[DecoderLayer]):
+        self.layers = layers
+        first = layers[0]
+        self.heads, self.kv_heads, self.head_dim = first.attn.n_heads, first.attn.n_kv_heads, first.attn.head_dim
+        self.ffn_dim = first.ffn.up.out_features
+        self.eps = first.attn_residual.norm.eps
+        self.act = ACTS[first.ffn.act]
+        self.scale = first.attn.scale if first.attn.scale is not None else self.head_dim ** -0.5
+        self.plans: list = []
+        self.table: Tensor | None = None
+        self.caches: list[Tensor] = []
+
+    @classmethod
+    def of(cls, layers) -> GPTStep | None:
+        layers = list(layers)
+        if not layers or not gemv.available() or not all(_fits(layer) for layer in layers):
+            return None
+        shapes = {(x.attn.n_heads, x.attn.n_kv_heads, x.attn.head_dim, x.ffn.up.out_features, x.attn_residual.norm.eps,
+                   x.ffn.act, x.attn.scale) for x in layers}
+        return cls(layers) if len(shapes) == 1 else None
+
+    def _linears(self, layer: DecoderLayer):
+        return layer.attn.qkv_proj, layer.attn.out_proj, layer.ffn.up, layer.ffn.down
+
+    def _current(self, caches: list[KVCache]) -> bool:
+        """Whether the table still holds the layers' plans and these caches (rebuilt if not)."""
+        plans = [lin.plan for layer in self.layers for lin in self._linears(layer)]
+        if not all(isinstance(p, Gemv) and p.made_for(lin.weight)
+                   for p, lin in zip(plans, (lin for layer in self.layers for lin in self._linears(layer)))):
+            return False
+        tensors = [t for c in caches for t in (c.k, c.v)]
+        if (self.table is not None and len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
+                and len(tensors) == len(self.caches) and all(a is b for a, b in zip(tensors, self.caches))):
+            return True
+        params = [p for layer in self.layers for m in (layer.attn_residual.norm, layer.ffn_residual.norm,
+                                                        *self._linears(layer)) for p in (m.weight, m.bias)]
+        if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in params):
+            return False
+        rows = []
+        for layer, cache in zip(self.layers, caches):
+            n1, n2 = layer.attn_residual.norm, layer.ffn_residual.norm
+            row = []
+            for norm, lins in ((n1, (layer.attn.qkv_proj, layer.attn.out_proj)), (n2, (layer.ffn.up, layer.ffn.down))):
+                row += [norm.weight.data_ptr(), norm.bias.data_ptr() if norm.bias is not None else 0]
+                for lin in lins:
+                    row += [lin.plan.packed.data_ptr(), lin.bias.data_ptr() if lin.bias is not None else 0]
+            rows.append(row + [cache.k.data_ptr(), cache.v.data_ptr()])
+        self.table, self.plans, self.caches = torch.tensor(rows, dtype=torch.int64), plans, tensors
+        return True
+
+    def __call__(self, x: Tensor, caches: list[KVCache]) -> Tensor | None:
+        """x (B, 1, D) after the embeddings -> the last block's output (B, 1, D), the caches one position
+        longer; None (nothing changed) where the kernel cannot take this step."""
+        B, t, D = x.shape
+        if (t != 1 or B > gemv.PLAN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.is_grad_enabled() and x.requires_grad or len(caches) != len(self.layers)):
+            return None
+        first = caches[0]
+        pos, max_len = first.length, first.k.size(2)
+        for c in caches:
+            if (c.lineage is not None or c.length != pos or c.k.shape != (B, self.kv_heads, max_len, self.head_dim)
+                    or c.k.dtype != torch.float32 or not (c.k.is_contiguous() and c.v.is_contiguous())
+                    or c.v.shape != c.k.shape):
+                return None
+        if pos >= max_len or not self._current(caches):
+            return None
+        y = x.reshape(B, D).contiguous().clone()
+        gemv.gpt_step(self.table, y, self.heads, self.kv_heads, self.head_dim, self.ffn_dim, max_len, pos, self.eps,
+                      self.act, self.scale)
+        for c in caches:
+            c.length = pos + 1
+        return y.view(B, 1, D)
