@@ -10,7 +10,7 @@ pre-LN blocks with LayerNorm, multi-head attention without rotary positions and 
 
 Layers are read, not copied: the table of addresses is rebuilt when a plan changes (a new generate,
 an optimizer step), and a step the kernel cannot take (a mask, a beam search's lineage, more than
-gemv.PLAN_ROWS rows, gradients) returns None, and the caller runs the layers as usual.
+gemv.PLAN_ROWS rows, gradients, training mode) returns None, and the caller runs the layers as usual.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class GPTStep:
         longer; None (nothing changed) where the kernel cannot take this step."""
         B, t, D = x.shape
         if (t != 1 or B > gemv.PLAN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-                or torch.is_grad_enabled() and x.requires_grad or len(caches) != len(self.layers)):
+                or torch.is_grad_enabled() and x.requires_grad or len(caches) != len(self.layers)
+                or self.layers[0].training):                                 # dropout: the layers apply it
             return None
         first = caches[0]
         pos, max_len = first.length, first.k.size(2)
