@@ -17,8 +17,9 @@ linear.py keeps oneDNN's kernels.
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 
 The same library holds a bf16 variant of the product (`pack(w, torch.bfloat16)`: half the bytes,
-for the output layer's greedy screen, linear.Gemv.argmax) and decoding attention (`attend`: one
-query per row against the cached keys, every row and head in one call).
+for the output layer's greedy screen, linear.Gemv.argmax), decoding attention (`attend`: one
+query per row against the cached keys, every row and head in one call), and a GPT's whole decoding
+step built from these (`gpt_step`, for fused.GPTStep).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 VECTORS = {"AVX512": ["-mavx512f"], "AMX": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}   # by PyTorch's name for the CPU
-CHUNK_ROWS = 64       # rows per call of the kernel (8 at a time inside), so that they stay in the core's cache
+CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
 BLOCK = 16            # output features per block: one AVX-512 register of fp32, two AVX2 ones
 HUGE_PAGE = 2 << 20   # x86-64 huge page: a packed weight at least this large lives in huge pages
