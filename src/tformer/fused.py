@@ -72,17 +72,17 @@ class GPTStep:
 
     def _current(self, caches: list[KVCache]) -> bool:
         """Whether the table still holds the layers' plans and these caches (rebuilt if not)."""
-        plans = [lin.plan for layer in self.layers for lin in self._linears(layer)]
-        if not all(isinstance(p, Gemv) and p.made_for(lin.weight)
-                   for p, lin in zip(plans, (lin for layer in self.layers for lin in self._linears(layer)))):
+        linears = [lin for layer in self.layers for lin in self._linears(layer)]   # read each step: may be replaced
+        plans = [lin.plan for lin in linears]
+        if not all(isinstance(p, Gemv) and p.made_for(lin.weight) for p, lin in zip(plans, linears)):
             return False
         tensors = [t for c in caches for t in (c.k, c.v)]
-        if (self.table is not None and len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
-                and len(tensors) == len(self.caches) and all(a is b for a, b in zip(tensors, self.caches))):
+        if (self.table is not None and all(a is b for a, b in zip(plans, self.plans))
+                and all(a is b for a, b in zip(tensors, self.caches))):
             return True
-        params = [p for layer in self.layers for m in (layer.attn_residual.norm, layer.ffn_residual.norm,
-                                                        *self._linears(layer)) for p in (m.weight, m.bias)]
-        if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in params):
+        norms = [n for layer in self.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
+        if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous())
+               for m in norms + linears for p in (m.weight, m.bias)):
             return False
         rows = []
         for layer, cache in zip(self.layers, caches):
