@@ -110,6 +110,35 @@ def test_source_builds_for_each_vector_width(monkeypatch, tmp_path, cpu):
     assert gemv.build().exists()
 
 
+def _runs(cpu: str) -> bool:
+    have = torch.backends.cpu.get_cpu_capability()
+    return gemv.unsupported() is None and (cpu == "AVX2" or have in ("AVX512", "AMX"))
+
+
+@pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
+def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
+    """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
+    blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded)."""
+    if not _runs(cpu):
+        pytest.skip(f"this CPU cannot run the {cpu} build")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
+    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
+    gemv._function.cache_clear()
+    try:
+        gemv.build()
+        assert gemv.bf16_paired() == (cpu == "AVX2")
+        torch.manual_seed(0)
+        n, k = 100, 40
+        w, b = torch.randn(n, k), torch.randn(n)
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, k)
+            assert torch.allclose(gemv.gemv(gemv.pack(w), x, b, n), F.linear(x, w, b), atol=1e-5)
+            rounded = w.bfloat16().float()
+            assert torch.allclose(gemv.gemv(gemv.pack(w, torch.bfloat16), x, b, n), F.linear(x, rounded, b), atol=1e-5)
+    finally:
+        gemv._function.cache_clear()
+
+
 def test_plans_without_the_kernel_are_onednns(monkeypatch):
     monkeypatch.setattr(linear.gemv, "available", lambda: False)
     m = Linear(1024, 1024)

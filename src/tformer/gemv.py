@@ -122,9 +122,10 @@ def _function(name: str):
                            + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
                            + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
         "tformer_gpt_step": ([ptr, i64, ptr] + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_float, ptr]),
+        "tformer_bf16_paired": [],
     }[name]
     fn = getattr(ctypes.CDLL(str(library_path())), name)
-    fn.argtypes, fn.restype = argtypes, None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int if name == "tformer_bf16_paired" else None
     return fn
 
 
@@ -154,11 +155,21 @@ def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
 
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """(N, K) -> (ceil(N / 16), K, 16) fp32 (or bf16: the weights rounded, half the bytes): block b
-    holds output features 16b .. 16b + 15."""
+    holds output features 16b .. 16b + 15 (bf16 for AVX2: in the order 0, 8, 1, 9, ..., 7, 15, which
+    the kernel widens to fp32 without crossing its vectors' halves)."""
     n, k = weight.shape
     w = F.pad(weight.detach().to(dtype), (0, 0, 0, -n % BLOCK))                   # zero rows up to 16·blocks
+    blocks = w.view(-1, BLOCK, k)
+    if dtype == torch.bfloat16 and bf16_paired():
+        blocks = blocks[:, torch.arange(BLOCK).view(2, -1).t().reshape(-1)]
     packed = huge_page_empty(w.size(0) // BLOCK, k, BLOCK, dtype=dtype)
-    return packed.copy_(w.view(-1, BLOCK, k).transpose(1, 2))
+    return packed.copy_(blocks.transpose(1, 2))
+
+
+def bf16_paired() -> bool:
+    """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
+    fn = _function("tformer_bf16_paired")
+    return bool(fn()) if fn is not None else False
 
 
 def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice | None = None) -> Tensor:
