@@ -45,6 +45,7 @@ rest of the model keeps its dtype; with int8 activations fp32 is the fast choice
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -69,8 +70,10 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
+@functools.cache
 def dynamic_int8_available() -> bool:
-    """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs)."""
+    """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs); asked once (each
+    Int8Linear call checks it: ~4 µs a time on a 2 GHz core, 49 calls a GPT-2 token)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
