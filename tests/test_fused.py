@@ -45,6 +45,22 @@ def test_fused_step_equals_the_layers(rows, kw):
     torch.testing.assert_close(fused, layers, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_fused_int8_step_equals_the_int8_layers(rows):
+    """quantize_int8: the fused step runs tformer's int8 kernel (quant.Gemv8) in every layer, with the
+    results of the layers run one by one (which take the same kernel), and close to the fp32 model."""
+    from tformer.quant import Gemv8, quantize_int8
+    model = gpt(seed=rows)
+    ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
+    fp32 = steps(model, ids, 6, True)
+    quantize_int8(model)
+    fused, layers = steps(model, ids, 6, True), steps(model, ids, 6, False)
+    assert model.stack._fused_step().table[:, 3].tolist() == [1, 1]              # W_qkv's type: int8
+    assert all(isinstance(lin.kernel, Gemv8) for lin in model.stack.layers[0].ffn.modules() if hasattr(lin, "kernel"))
+    torch.testing.assert_close(fused, layers, rtol=1e-4, atol=1e-4)
+    assert (fused - fp32).norm() / fp32.norm() < 0.05 and not torch.equal(fused, fp32)   # FBGEMM's rows: 0.028
+
+
 def test_fused_step_is_taken_and_moves_the_caches():
     model = gpt()
     plan_decoding(model, 1)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tformer
-from tformer.quant import Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
+from tformer import gemv
+from tformer.quant import Gemv8, Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
 
 needs_fbgemm = pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM in this PyTorch build")
 
@@ -72,13 +73,13 @@ def test_int8_activations_error_within_rounding_bound(bias):
 
 @needs_fbgemm
 def test_int8_activations_kernel_equals_the_integer_formula():
-    """The integer kernel computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
+    """FBGEMM's integer kernel (more than gemv.PLAN_ROWS rows) computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
     u = clamp(round(x / r / a) + z, 0, 127), a = (max(x/r, 0) - min(x/r, 0)) / 127 and
     z = round(-min(x/r, 0) / a), written out here by hand."""
     torch.manual_seed(6)
     linear = nn.Linear(96, 40, bias=False)
     layer = Int8Linear(linear)
-    x = (torch.randn(7, 96) + 0.5) * torch.logspace(-1, 1, 7)[:, None]
+    x = (torch.randn(12, 96) + 0.5) * torch.logspace(-1, 1, 12)[:, None]      # past gemv.PLAN_ROWS: FBGEMM's
     r = x.abs().amax(-1, keepdim=True)
     lo, hi = (x / r).min().clamp(max=0), (x / r).max().clamp(min=0)
     a = (hi - lo) / 127
@@ -90,6 +91,65 @@ def test_int8_activations_kernel_equals_the_integer_formula():
         xb = x.bfloat16()                                                        # bf16 in, bf16 out, same kernel
         torch.testing.assert_close(layer.to(torch.bfloat16)(xb).float(), layer.float()(xb.float()),
                                    rtol=1e-2, atol=1e-2)
+
+
+needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"gemv: {gemv.unsupported() or 'not built'}")
+
+
+def _kernel_formula(x, q, s, bias):
+    """tformer's int8 kernel by hand: each row on its own range [lo, hi] (0 included), i = 128 / (hi - lo),
+    z = round(-lo i), u = round(x i) + z in [0, 129], y = s_n (Σ_k u_k q_nk - z Σ_k q_nk) / i + b_n."""
+    lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+    i = 128 / (hi - lo)
+    z = torch.round(-lo * i)
+    u = torch.round(x * i) + z
+    assert u.min() >= 0 and u.max() <= 129                  # 2 · 129 · 127 < 2^15: vpmaddubsw's pairs never saturate
+    y = (u @ q.float().T - z * q.float().sum(1)) * s * (1 / i)
+    return y if bias is None else y + bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decoding_rows_take_tformers_int8_kernel(rows, bias):
+    """Up to gemv.PLAN_ROWS rows, Int8Linear runs gemv.c's integer kernel: each row rounded to 7 bits
+    on its own range (the formula written out here), the error within |y - y_exact| <=
+    (s_n / 2) Σ_k |x_k| + ((hi - lo) / 256) Σ_k s_n |q_nk|; K not a multiple of 4, N not of 16."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(103, 37, bias=bias)
+    x = torch.randn(rows, 103) * torch.logspace(-1, 1, 103) + 0.3
+    layer = Int8Linear(linear)
+    with torch.inference_mode():
+        exact, got = linear(x), layer(x)
+    q, s = quantize_weight(linear.weight)
+    assert isinstance(layer.kernel, Gemv8)
+    torch.testing.assert_close(got, _kernel_formula(x, q, s, linear.bias), rtol=1e-5, atol=1e-5)
+    step = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+    bound = (s / 2 * x.abs().sum(-1, keepdim=True) + step / 256 * (s[:, None] * q.abs()).sum(1)) * (1 + 1e-4) + 1e-5
+    assert ((got - exact).abs() <= bound).all()
+
+
+@needs_kernel
+def test_int8_kernel_keeps_a_bad_row_to_itself():
+    """A NaN or an infinity in one row makes that row's outputs NaN, as the float product's would be;
+    an all-zero row gives the bias."""
+    linear = nn.Linear(64, 24)
+    x = torch.randn(4, 64)
+    x[1, 5], x[2, 7], x[3] = float("nan"), float("inf"), 0.0
+    with torch.inference_mode():
+        y = Int8Linear(linear)(x)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all() and torch.isfinite(y[0]).all()
+    torch.testing.assert_close(y[3], linear.bias.detach())
+
+
+@needs_kernel
+def test_int8_kernel_repacks_after_its_weight_changes():
+    layer, other = Int8Linear(nn.Linear(32, 16)), Int8Linear(nn.Linear(32, 16))
+    x = torch.randn(1, 32)
+    with torch.inference_mode():
+        layer(x)
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(layer(x), other(x))
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])

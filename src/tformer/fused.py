@@ -3,7 +3,8 @@
 A decoding step of GPT-2 at batch 1 reads 417 MB of weights in ~16 ms on a 2-core CPU; layer by layer
 it also runs ~15 PyTorch ops and module calls per layer, ~5 ms more (BENCHMARKS.md). For a stack of
 pre-LN blocks with LayerNorm, multi-head attention without rotary positions and a plain GELU/ReLU FFN
-(GPT-2, GPT-Neo-like shapes), every weight already on the gemv plan, the whole step runs in C:
+(GPT-2, GPT-Neo-like shapes), every weight already on the gemv plan (fp32) or quantised to int8
+(quantize_int8: tformer's int8 kernel, quant.Gemv8), the whole step runs in C:
 
     step = GPTStep.of(stack.layers)          # None where a layer does not fit
     x = step(x, caches)                      # (B, 1, D) -> (B, 1, D); None where this step does not fit
@@ -23,6 +24,7 @@ from . import gemv
 from .kv_cache import KVCache
 from .layers import ACTIVATIONS, DecoderLayer, PreNorm
 from .linear import Gemv
+from .quant import Gemv8, Int8Linear
 
 ACTS = {F.gelu: 0, ACTIVATIONS["gelu_tanh"]: 1, F.relu: 2}     # the kernel's codes
 
@@ -70,11 +72,18 @@ class GPTStep:
     def _linears(self, layer: DecoderLayer):
         return layer.attn.qkv_proj, layer.attn.out_proj, layer.ffn.up, layer.ffn.down
 
+    @staticmethod
+    def _plan(lin: nn.Module) -> Gemv | Gemv8 | None:
+        """The copy of this linear's weight that the kernel reads: a Linear's fp32 Gemv plan, or an
+        Int8Linear's int8 one; None where there is none (or it is stale)."""
+        plan = lin.gemv_plan() if isinstance(lin, Int8Linear) else lin.plan
+        return plan if isinstance(plan, (Gemv, Gemv8)) and plan.made_for(lin.weight) else None
+
     def _current(self, caches: list[KVCache]) -> bool:
         """Whether the table still holds the layers' plans and these caches (rebuilt if not)."""
         linears = [lin for layer in self.layers for lin in self._linears(layer)]   # read each step: may be replaced
-        plans = [lin.plan for lin in linears]
-        if not all(isinstance(p, Gemv) and p.made_for(lin.weight) for p, lin in zip(plans, linears)):
+        plans = [self._plan(lin) for lin in linears]
+        if any(p is None for p in plans):
             return False
         tensors = [t for c in caches for t in (c.k, c.v)]
         if (self.table is not None and all(a is b for a, b in zip(plans, self.plans))
@@ -82,7 +91,7 @@ class GPTStep:
             return True
         norms = [n for layer in self.layers for n in (layer.attn_residual.norm, layer.ffn_residual.norm)]
         if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous())
-               for m in norms + linears for p in (m.weight, m.bias)):
+               for p in [t for m in norms for t in (m.weight, m.bias)] + [m.bias for m in linears]):
             return False
         rows = []
         for layer, cache in zip(self.layers, caches):
@@ -91,7 +100,9 @@ class GPTStep:
             for norm, lins in ((n1, (layer.attn.qkv_proj, layer.attn.out_proj)), (n2, (layer.ffn.up, layer.ffn.down))):
                 row += [norm.weight.data_ptr(), norm.bias.data_ptr() if norm.bias is not None else 0]
                 for lin in lins:
-                    row += [lin.plan.packed.data_ptr(), lin.bias.data_ptr() if lin.bias is not None else 0]
+                    plan = self._plan(lin)
+                    row += [plan.packed.data_ptr(), int(isinstance(plan, Gemv8)),
+                            lin.bias.data_ptr() if lin.bias is not None else 0]
             rows.append(row + [cache.k.data_ptr(), cache.v.data_ptr()])
         self.table, self.plans, self.caches = torch.tensor(rows, dtype=torch.int64), plans, tensors
         return True

@@ -219,6 +219,143 @@ void tformer_gemv_bf16(const uint16_t *p, const float *x, const float *bias, flo
     gemv(p, x, bias, y, M, N, K, 1, 0);
 }
 
+/* Int8 weights times int8 inputs (decoding a model quantize_int8 made: quant.py's q and scales s).
+ * pack8 lays q (N, K) out as blocks of 16 output features by groups of 4 k, then the outputs' sums of q
+ * and their scales:
+ *
+ *     P[b, g, j, i] = q[16 b + j, 4 g + i]   (ceil(N / 16), G = ceil(K / 4), 16, 4) int8, zero past N, K
+ *     c[n] = Σ_k q[n, k]  (N rounded up to 16, int32),  then s[n]  (as many, fp32)
+ *
+ * Each row m of x is rounded to 7 bits on its own range [lo_m, hi_m] = [min(0, min_k x_mk), max(0, max_k x_mk)]:
+ *
+ *     i_m = 128 / (hi_m - lo_m),  z_m = round(-lo_m i_m),  u_mk = round(x_mk i_m) + z_m  in [0, 129],
+ *     y_mn = s_n (Σ_k u_mk q_nk - z_m c_n) / i_m + b_n
+ *
+ * (a step of (hi - lo) / 128 <= 2 max_k |x_mk| / 128: FBGEMM's dynamic int8 has (hi - lo) / 127).
+ * The sum is exact in integers: vpmaddubsw multiplies unsigned bytes (u) by signed ones (q) and adds
+ * pairs into int16, |u q + u' q'| <= 2 · 129 · 127 = 32766 < 2^15 (8-bit u could overflow), vpmaddwd
+ * adds pairs of those into int32: 64 products for 4 instructions, where fp32 needs 8 multiply-adds and
+ * converting the bytes to floats costs as much again (on Zen 1's 128-bit units that capped a weight-only
+ * int8 product at ~10 GB/s). AVX2 instructions in both builds.
+ */
+#define ROWS8 4
+
+static inline __attribute__((always_inline)) void pass8(const int8_t *p, const uint8_t *u, const float *a,
+                                                        const int32_t *z,
+                                                        const int32_t *sums, const float *scales,
+                                                        const float *bias, float *y, int64_t G, int64_t N,
+                                                        int64_t n0, const int M, int acc) {
+    __m256i s[ROWS8][2];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < M; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < G; g++) {
+        _mm_prefetch((const char *)p + g * 64 + 512, _MM_HINT_NTA);     /* Zen 1, M = 1: 14 -> 16.5 GB/s */
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + g * 64));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + g * 64 + 32));
+        for (int m = 0; m < M; m++) {
+            int32_t four;
+            memcpy(&four, u + m * 4 * G + 4 * g, 4);
+            __m256i xb = _mm256_set1_epi32(four);
+            s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
+            s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+        }
+    }
+    float t[16];
+    for (int m = 0; m < M; m++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i c = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(sums + n0 + 8 * h)), _mm256_set1_epi32(z[m]));
+            __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[m][h], c));
+            __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(scales + n0 + 8 * h), _mm256_set1_ps(a[m]));
+            _mm256_storeu_ps(t + 8 * h, _mm256_mul_ps(v, sc));
+        }
+        float *ym = y + m * N + n0;
+        for (int64_t j = 0; j < 16 && n0 + j < N; j++) {
+            float out = t[j] + (bias ? bias[n0 + j] : 0.0f);
+            ym[j] = acc ? ym[j] + out : out;
+        }
+    }
+}
+
+/* Row m of x (K) -> u (4 G bytes, zero past K), its step a[m] = 1 / i_m and zero point z[m]; a[m] is
+ * NaN where x holds a NaN or an infinity (so that the outputs are NaN, as the float product's would be),
+ * 0 for a row of zeros. */
+static void round_rows(const float *x, int64_t M, int64_t K, int64_t G, uint8_t *u, float *a, int32_t *z) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        uint8_t *um = u + m * 4 * G;
+        __m256 lo8 = _mm256_setzero_ps(), hi8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xm + k);
+            lo8 = _mm256_min_ps(lo8, v);
+            hi8 = _mm256_max_ps(hi8, v);
+            bad8 = _mm256_add_ps(bad8, _mm256_sub_ps(v, v));                /* NaN from a NaN or an inf */
+        }
+        float l[8], h[8], b[8], lo = 0.0f, hi = 0.0f, nan = 0.0f;
+        _mm256_storeu_ps(l, lo8);
+        _mm256_storeu_ps(h, hi8);
+        _mm256_storeu_ps(b, bad8);
+        for (int i = 0; i < 8; i++) {
+            lo = l[i] < lo ? l[i] : lo;
+            hi = h[i] > hi ? h[i] : hi;
+            nan += b[i];
+        }
+        for (; k < K; k++) {
+            lo = xm[k] < lo ? xm[k] : lo;
+            hi = xm[k] > hi ? xm[k] : hi;
+            nan += xm[k] - xm[k];
+        }
+        const float inv = hi > lo && nan == 0.0f ? 128.0f / (hi - lo) : 0.0f;
+        const int32_t zero = (int32_t)nearbyintf(-lo * inv);
+        a[m] = (inv > 0.0f ? 1.0f / inv : 0.0f) + nan;
+        z[m] = zero;
+        const __m256 vi = _mm256_set1_ps(inv);
+        const __m256i off = _mm256_set1_epi32(zero), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (k = 0; k + 32 <= K; k += 32) {                                 /* round to nearest even, as torch.round */
+            __m256i v0 = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xm + k), vi)), off);
+            __m256i v1 = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xm + k + 8), vi)), off);
+            __m256i v2 = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xm + k + 16), vi)), off);
+            __m256i v3 = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xm + k + 24), vi)), off);
+            __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+            _mm256_storeu_si256((__m256i *)(um + k), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+        for (; k < K; k++) um[k] = (uint8_t)((int32_t)nearbyintf(xm[k] * inv) + zero);
+        for (; k < 4 * G; k++) um[k] = 0;
+    }
+}
+
+/* y = x Wᵀ + bias (or y += with `acc`), W = s · q packed by pack8 at p; u: 4 G · M bytes of scratch. */
+static void gemv8(const int8_t *p, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                  uint8_t *u, int acc) {
+    const int64_t G = (K + 3) / 4, blocks = (N + 15) / 16;
+    const int32_t *sums = (const int32_t *)(p + blocks * G * 64);
+    const float *scales = (const float *)(sums + blocks * 16);
+    float a[64];
+    int32_t z[64];
+    for (int64_t m0 = 0; m0 < M; m0 += 64) {
+        const int64_t rows = M - m0 < 64 ? M - m0 : 64;
+        round_rows(x + m0 * K, rows, K, G, u, a, z);
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t i = 0; i < rows; i += ROWS8) {
+                const int8_t *pb = p + b * G * 64;
+                const uint8_t *ui = u + i * 4 * G;
+                float *yi = y + (m0 + i) * N;
+                switch (rows - i < ROWS8 ? rows - i : ROWS8) {
+                    case 1: pass8(pb, ui, a + i, z + i, sums, scales, bias, yi, G, N, b * 16, 1, acc); break;
+                    case 2: pass8(pb, ui, a + i, z + i, sums, scales, bias, yi, G, N, b * 16, 2, acc); break;
+                    case 3: pass8(pb, ui, a + i, z + i, sums, scales, bias, yi, G, N, b * 16, 3, acc); break;
+                    default: pass8(pb, ui, a + i, z + i, sums, scales, bias, yi, G, N, b * 16, 4, acc); break;
+                }
+            }
+    }
+}
+
+void tformer_gemv_int8(const int8_t *p, const float *x, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, uint8_t *scratch) {
+    gemv8(p, x, bias, y, M, N, K, scratch, 0);
+}
+
 /* Decoding attention: one query per (row, head) against that row's cached keys and values,
  *
  *     s_j = scale q·k_j (-inf where the mask is 0),  p = softmax(s),  o = Σ_j p_j v_j,
@@ -296,9 +433,10 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
  *     x += attend(q, K, V) W_oᵀ + b_o                  (heads side by side; H_kv <= H heads of K, V)
  *     h = LayerNorm2(x);  x += act(h W_upᵀ + b_up) W_downᵀ + b_down
  *
- * `table` holds 14 addresses per layer: LayerNorm1 weight, bias; packed W_qkv, b_qkv; packed W_o, b_o;
- * LayerNorm2 weight, bias; packed W_up, b_up; packed W_down, b_down; K cache, V cache (each (rows,
- * H_kv, T_max, hd), contiguous). A bias may be 0 (none). act: 0 GELU (erf), 1 GELU (tanh), 2 ReLU.
+ * `table` holds 18 addresses per layer: LayerNorm1 weight, bias; W_qkv packed, its type (0 fp32 by
+ * pack, 1 int8 by pack8), b_qkv; W_o, type, b_o; LayerNorm2 weight, bias; W_up, type, b_up; W_down,
+ * type, b_down; K cache, V cache (each (rows, H_kv, T_max, hd), contiguous). A bias may be 0 (none).
+ * act: 0 GELU (erf), 1 GELU (tanh), 2 ReLU.
  * Each product is the same kernel call as gemv(), so the results match the layer-by-layer path up to
  * the order of LayerNorm's and GELU's floating-point operations.
  */
@@ -325,18 +463,29 @@ static void activate(float *h, int64_t n, int act) {
     }
 }
 
+/* y (+)= x Wᵀ + bias, W packed fp32 (int8 = 0) or by pack8 (int8 = 1; u its scratch). */
+static void product(const void *p, int int8, const float *x, const float *bias, float *y, int64_t M, int64_t N,
+                    int64_t K, uint8_t *u, int acc) {
+    if (int8)
+        gemv8(p, x, bias, y, M, N, K, u, acc);
+    else
+        gemv(p, x, bias, y, M, N, K, 0, acc);
+}
+
 void tformer_gpt_step(const int64_t *table, int64_t L, float *x, int64_t M, int64_t D, int64_t H, int64_t H_kv,
                       int64_t hd, int64_t F, int64_t T_max, int64_t pos, float eps, int64_t act, float scale,
                       float *scratch) {
     const int64_t qd = H * hd, kvd = H_kv * hd, width = qd + 2 * kvd;
     const int64_t sb = H_kv * T_max * hd, sh = T_max * hd;                /* cache strides: row, head */
     float *h = scratch, *qkv = h + M * D, *att = qkv + M * width, *up = att + M * qd;   /* M (D + width + qd + F) */
+    uint8_t *u = (uint8_t *)(up + M * F);                                 /* and M (max(D, qd, F) + 3) bytes */
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *t = table + 14 * l;
+        const int64_t *t = table + 18 * l;
 #define P(i) ((const float *)t[i])
-        float *kc = (float *)t[12], *vc = (float *)t[13];
+#define W(i) (const void *)t[i], (int)t[i + 1]          /* a matrix and its type */
+        float *kc = (float *)t[16], *vc = (float *)t[17];
         layer_norm(x, P(0), P(1), h, M, D, eps);
-        gemv(P(2), h, P(3), qkv, M, width, D, 0, 0);
+        product(W(2), h, P(4), qkv, M, width, D, u, 0);
         for (int64_t m = 0; m < M; m++)
             for (int64_t g = 0; g < H_kv; g++) {
                 memcpy(kc + m * sb + g * sh + pos * hd, qkv + m * width + qd + g * hd, hd * sizeof(float));
@@ -344,11 +493,12 @@ void tformer_gpt_step(const int64_t *table, int64_t L, float *x, int64_t M, int6
             }
         tformer_attend(qkv, width, hd, kc, vc, sb, sh, hd, sb, sh, hd, 0, 0, 0, 1, 0, 0, att, M, H, H_kv, pos + 1, hd,
                        1, scale);
-        gemv(P(4), att, P(5), x, M, D, qd, 0, 1);
-        layer_norm(x, P(6), P(7), h, M, D, eps);
-        gemv(P(8), h, P(9), up, M, F, D, 0, 0);
+        product(W(5), att, P(7), x, M, D, qd, u, 1);
+        layer_norm(x, P(8), P(9), h, M, D, eps);
+        product(W(10), h, P(12), up, M, F, D, u, 0);
         activate(up, M * F, (int)act);
-        gemv(P(10), up, P(11), x, M, D, F, 0, 1);
+        product(W(13), up, P(15), x, M, D, F, u, 1);
+#undef W
 #undef P
     }
 }

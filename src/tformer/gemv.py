@@ -118,6 +118,7 @@ def _function(name: str):
     argtypes = {
         "tformer_gemv": [ptr] * 4 + [i64] * 3,                   # p, x, bias, y; M, N, K
         "tformer_gemv_bf16": [ptr] * 4 + [i64] * 3,
+        "tformer_gemv_int8": [ptr] * 4 + [i64] * 3 + [ptr],      # ... and the scratch for x in bytes
         "tformer_attend": ([ptr, i64, i64] + [ptr] * 2 + [i64] * 6       # q + strides; k, v + strides
                            + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
                            + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
@@ -166,6 +167,32 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return packed.copy_(blocks.transpose(1, 2))
 
 
+def pack8(q: Tensor, scales: Tensor) -> Tensor:
+    """An int8 weight q (N, K) and its scales (N,) (quant.quantize_weight) -> one int8 tensor as the
+    int8 kernel reads it (gemv.c, pack8): blocks of 16 output features by groups of 4 k, then each
+    output's Σ_k q (int32) and scale (fp32), 16·ceil(N / 16) of each."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or scales.shape != (n,):
+        raise ValueError(f"pack8: needs q (N, K) int8 and scales (N,), got {q.dtype} {tuple(q.shape)}, "
+                         f"{tuple(scales.shape)}")
+    blocks, groups = -(-n // BLOCK), -(-k // 4)
+    w = F.pad(q.detach(), (0, 4 * groups - k, 0, BLOCK * blocks - n))               # zeros past N and K
+    body = w.view(blocks, BLOCK, groups, 4).transpose(1, 2)                          # (blocks, G, 16, 4)
+    ends = torch.zeros(2, BLOCK * blocks, dtype=torch.int32)
+    ends[0, :n] = q.sum(dim=1, dtype=torch.int32)
+    ends[1, :n] = scales.detach().float().view(torch.int32)
+    packed = huge_page_empty(body.numel() + ends.numel() * 4, dtype=torch.int8)
+    packed[:body.numel()].view(body.shape).copy_(body)
+    packed[body.numel():].view(torch.int32).view(ends.shape).copy_(ends)
+    return packed
+
+
+def packed8_size(n: int, k: int) -> int:
+    """Bytes of pack8's tensor for a weight (n, k)."""
+    blocks = -(-n // BLOCK)
+    return blocks * BLOCK * (4 * -(-k // 4) + 8)
+
+
 def bf16_paired() -> bool:
     """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
     fn = _function("tformer_bf16_paired")
@@ -174,10 +201,21 @@ def bf16_paired() -> bool:
 
 def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice | None = None) -> Tensor:
     """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from (fp32, or
-    bf16: each product exact in fp32, only W rounded). `blocks` (a slice of whole blocks, start
-    even): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
+    bf16: each product exact in fp32, only W rounded; or pack8's int8: each row of x rounded to 7 bits
+    as gemv.c says, the products summed exactly). `blocks` (a slice of whole blocks, start even; not
+    for int8): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
     x = x.contiguous()
     m, k = x.shape
+    if packed.dtype == torch.int8:
+        if m < 1 or x.dtype != torch.float32 or packed.dim() != 1 or packed.numel() != packed8_size(n, k) or blocks:
+            raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit an int8 weight ({n}, {k}) packed "
+                             f"in {packed.numel()} bytes")
+        bias = None if bias is None else bias.float().contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        scratch = torch.empty(min(m, CHUNK_ROWS) * 4 * -(-k // 4), dtype=torch.uint8)
+        _function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       y.data_ptr(), m, n, k, scratch.data_ptr())
+        return y
     if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32 or packed.dtype not in (
             torch.float32, torch.bfloat16):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
@@ -239,11 +277,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
 def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int, ffn: int, max_len: int,
              pos: int, eps: float, act: int, scale: float) -> None:
     """One decoding step through every pre-LN block of a GPT in one call (gemv.c, tformer_gpt_step):
-    x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 14) int64 the addresses
-    of each layer's norms, packed weights, biases and K, V caches (fused.py builds it); position `pos`
+    x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 18) int64 the addresses
+    of each layer's norms, packed weights (fp32 by pack, or int8 by pack8) and their types, biases and
+    K, V caches (fused.py builds it); position `pos`
     of the caches is written. The caller checks that everything fits (fused.GPTStep)."""
     m, d = x.shape
     width = (heads + 2 * kv_heads) * head_dim
-    scratch = torch.empty(m * (d + width + heads * head_dim + ffn), dtype=torch.float32)
+    floats = m * (d + width + heads * head_dim + ffn)
+    scratch = torch.empty(floats + m * (max(d, heads * head_dim, ffn) + 3) // 4 + 1, dtype=torch.float32)
     _function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
                                   ffn, max_len, pos, eps, act, scale, scratch.data_ptr())

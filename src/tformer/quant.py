@@ -16,6 +16,11 @@ so the matmul runs on q directly and the scale is applied once per output. Two w
   by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
   conversion of the weights, so this is fast for decoding at any batch or beam count (one row:
   reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md).
+  Decoding steps of up to gemv.PLAN_ROWS rows take tformer's own integer kernel instead where it
+  is built (`Gemv8`, gemv.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a
+  step of (max - min) / 128 (FBGEMM's for one row: / 127), and it reads the weights faster than
+  FBGEMM's call (~16 against 11-14 GB/s on a 2-core Zen 1); a GPT's fused step (fused.py) then runs
+  whole int8 layers in C.
   Inputs of more than INT8_MAX_ROWS rows (encoders, prompts: compute-bound) are not rounded to 7
   bits, which would cost accuracy there (MiniLM's embeddings: cosine 0.96 to fp32). On a CPU with
   bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
@@ -34,7 +39,7 @@ and rounding each input of row m by at most r_m·a / 2, so
 
     |y_mn - y_exact_mn| <= (s_n / 2) · Σ_k |x_mk|  +  (r_m·a / 2) · Σ_k s_n |q_nk|
 
-(the second term only with int8 activations).
+(the second term only with int8 activations; with tformer's kernel r_m·a = (max - min) / 128).
 
     model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
 
@@ -52,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import gemv
 from .devices import native_bf16
 from .linear import Plan
 
@@ -93,11 +99,27 @@ class Packed8(Plan):
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)        # reduce_range: 7-bit inputs
 
 
+class Gemv8(Plan):
+    """tformer's int8 kernel (gemv.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
+    own copy of q and the scales (gemv.pack8), for decoding steps of up to gemv.PLAN_ROWS rows: it
+    reads the weights at ~16 GB/s where FBGEMM's call reads them at 11-14 on a 2-core Zen 1, and the
+    fused GPT step (fused.py) runs whole layers with it, without a Python call per product."""
+
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__(weight, rows=0)
+        self.packed = gemv.pack8(weight, scales.float())
+        self.out_features = weight.size(0)
+
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return gemv.gemv(self.packed, x, bias, self.out_features)
+
+
 class Int8Linear(nn.Module):
     """A drop-in for nn.Linear holding int8 weights and one scale per output feature.
     forward(x (..., K)) -> (..., N) in x's dtype. `activations`: see the module docstring."""
 
     plan: Packed8 | None = None
+    kernel: Gemv8 | None = None
 
     def __init__(self, linear: nn.Linear, activations: str = "int8"):
         super().__init__()
@@ -114,6 +136,9 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
         rows = x2.size(0)
+        if rows <= gemv.PLAN_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
+            y = self.kernel(x2.float(), self.bias).to(x.dtype)                   # bias added in the kernel
+            return y.reshape(*shape[:-1], self.out_features)
         if rows <= INT8_MAX_ROWS and self._integer_path(x):
             # In place where it can be: a fresh (M, N) tensor costs page faults, as much as the product here.
             xf = x2.float()
@@ -138,6 +163,16 @@ class Int8Linear(nn.Module):
     def _integer_path(self, x: Tensor) -> bool:
         return (self.activations == "int8" and x.device.type == "cpu" and x.is_floating_point()
                 and not (torch.is_grad_enabled() and x.requires_grad) and dynamic_int8_available())
+
+    def gemv_plan(self) -> Gemv8 | None:
+        """tformer's int8 kernel on this layer's weight (made when first needed), for int8 inputs on a
+        CPU where the kernel is built; None elsewhere."""
+        if self.activations != "int8" or self.weight.device.type != "cpu" or not gemv.available() or (
+                self.bias is not None and self.bias.dtype != torch.float32):
+            return None
+        if self.kernel is None or not self.kernel.made_for(self.weight):
+            self.kernel = Gemv8(self.weight, self.scales)
+        return self.kernel
 
     def _packed(self) -> Packed8:
         if self.plan is None or not self.plan.made_for(self.weight):
