@@ -104,6 +104,17 @@ def test_perplexity_of_uniform_model_is_vocab_size():
     assert perplexity(model, ids, 16, torch.float32, "cpu") == pytest.approx(37, rel=1e-5)
 
 
+def test_perplexity_by_steps_equals_the_whole_windows():
+    """Feeding each window a token at a time through the KV cache scores what the whole window does."""
+    from tformer.bench.quality import perplexity, perplexity_by_steps
+    torch.manual_seed(0)
+    model = tformer.Decoder(tformer.preset("tiny", vocab_size=37, max_seq_len=16)).eval()
+    ids = torch.randint(0, 37, (100,), generator=torch.Generator().manual_seed(0))
+    whole = perplexity(model, ids, 16, torch.float32, "cpu")
+    assert perplexity_by_steps(model, ids, 16, "cpu", batch=4) == pytest.approx(whole, rel=1e-4)
+    assert whole > 20                                                           # an untrained model: near uniform
+
+
 def test_sub_batches_cover_batch_in_order_within_padding_slack():
     from tformer.bench.encoder import sub_batches
     lengths = [256, 250, 120, 60, 58, 57, 20, 19, 5]                             # sorted longest first

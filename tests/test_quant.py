@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tformer
-from tformer import gemv
+from tformer import gemv, quant
 from tformer.quant import Gemv8, Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
 
 needs_fbgemm = pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM in this PyTorch build")
@@ -53,9 +53,10 @@ def test_int8_kernel_equals_the_scaled_int8_matmul_formula():
 
 @needs_fbgemm
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_activations_error_within_rounding_bound(bias):
-    """Int8 activations: |y_mn - y_exact_mn| <= (s_n / 2) Σ_k |x_mk| + (r_m·a / 2) Σ_k s_n |q_nk|, with r_m
+def test_int8_activations_error_within_rounding_bound(bias, monkeypatch):
+    """Int8 activations through FBGEMM (past KERNEL_ROWS rows, here from the first): |y_mn - y_exact_mn| <= (s_n / 2) Σ_k |x_mk| + (r_m·a / 2) Σ_k s_n |q_nk|, with r_m
     row m's largest magnitude and a the 7-bit step (max(x/r, 0) - min(x/r, 0)) / 127 of the scaled input."""
+    monkeypatch.setattr(quant, "KERNEL_ROWS", 0)
     torch.manual_seed(5)
     linear = nn.Linear(64, 48, bias=bias)
     x = torch.randn(2, 5, 64) * torch.logspace(-1, 1, 64) * torch.logspace(-2, 2, 5)[:, None]  # varied features, rows
@@ -72,14 +73,15 @@ def test_int8_activations_error_within_rounding_bound(bias):
 
 
 @needs_fbgemm
-def test_int8_activations_kernel_equals_the_integer_formula():
-    """FBGEMM's integer kernel (more than gemv.PLAN_ROWS rows) computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
+def test_int8_activations_kernel_equals_the_integer_formula(monkeypatch):
+    """FBGEMM's integer kernel (past KERNEL_ROWS rows, here from the first) computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
     u = clamp(round(x / r / a) + z, 0, 127), a = (max(x/r, 0) - min(x/r, 0)) / 127 and
     z = round(-min(x/r, 0) / a), written out here by hand."""
+    monkeypatch.setattr(quant, "KERNEL_ROWS", 0)
     torch.manual_seed(6)
     linear = nn.Linear(96, 40, bias=False)
     layer = Int8Linear(linear)
-    x = (torch.randn(12, 96) + 0.5) * torch.logspace(-1, 1, 12)[:, None]      # past gemv.PLAN_ROWS: FBGEMM's
+    x = (torch.randn(7, 96) + 0.5) * torch.logspace(-1, 1, 7)[:, None]
     r = x.abs().amax(-1, keepdim=True)
     lo, hi = (x / r).min().clamp(max=0), (x / r).max().clamp(min=0)
     a = (hi - lo) / 127
@@ -109,10 +111,10 @@ def _kernel_formula(x, q, s, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64])
 @pytest.mark.parametrize("bias", [True, False])
 def test_decoding_rows_take_tformers_int8_kernel(rows, bias):
-    """Up to gemv.PLAN_ROWS rows, Int8Linear runs gemv.c's integer kernel: each row rounded to 7 bits
+    """Up to KERNEL_ROWS rows (beams x sentences), Int8Linear runs gemv.c's integer kernel: each row rounded to 7 bits
     on its own range (the formula written out here), the error within |y - y_exact| <=
     (s_n / 2) Σ_k |x_k| + ((hi - lo) / 256) Σ_k s_n |q_nk|; K not a multiple of 4, N not of 16."""
     torch.manual_seed(rows)

@@ -16,11 +16,11 @@ so the matmul runs on q directly and the scale is applied once per output. Two w
   by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
   conversion of the weights, so this is fast for decoding at any batch or beam count (one row:
   reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md).
-  Decoding steps of up to gemv.PLAN_ROWS rows take tformer's own integer kernel instead where it
-  is built (`Gemv8`, gemv.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a
-  step of (max - min) / 128 (FBGEMM's for one row: / 127), and it reads the weights faster than
-  FBGEMM's call (~16 against 11-14 GB/s on a 2-core Zen 1); a GPT's fused step (fused.py) then runs
-  whole int8 layers in C.
+  Decoding steps of up to KERNEL_ROWS rows take tformer's own integer kernel instead where it is
+  built (`Gemv8`, gemv.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a step
+  of (max - min) / 128 (FBGEMM's for one row: / 127); it reads the weights faster than FBGEMM's
+  call (~16 against 11-14 GB/s on a 2-core Zen 1), needs none of the PyTorch ops around it (a beam
+  search of Marian: 12% less time), and a GPT's fused step (fused.py) runs whole int8 layers in C.
   Inputs of more than INT8_MAX_ROWS rows (encoders, prompts: compute-bound) are not rounded to 7
   bits, which would cost accuracy there (MiniLM's embeddings: cosine 0.96 to fp32). On a CPU with
   bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
@@ -66,6 +66,10 @@ ACTIVATIONS = ("int8", "float")
 # hardly faster than the float GEMM on AVX2 while rounding the inputs costs accuracy (MiniLM's
 # embeddings, BENCHMARKS.md): such inputs multiply by the dequantised weight (weight-only error).
 INT8_MAX_ROWS = 256
+# Up to this many rows (decoding steps: a batch's rows, beams x sentences) tformer's int8 kernel runs
+# the product where it is built (Gemv8): FBGEMM's call costs ~0.3 ms more per product in the PyTorch
+# ops around it (each row's range), and the kernel's integer products are as fast.
+KERNEL_ROWS = 64
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,7 +105,7 @@ class Packed8(Plan):
 
 class Gemv8(Plan):
     """tformer's int8 kernel (gemv.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
-    own copy of q and the scales (gemv.pack8), for decoding steps of up to gemv.PLAN_ROWS rows: it
+    own copy of q and the scales (gemv.pack8), for decoding steps of up to KERNEL_ROWS rows: it
     reads the weights at ~16 GB/s where FBGEMM's call reads them at 11-14 on a 2-core Zen 1, and the
     fused GPT step (fused.py) runs whole layers with it, without a Python call per product."""
 
@@ -136,7 +140,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
         rows = x2.size(0)
-        if rows <= gemv.PLAN_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
+        if rows <= KERNEL_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
             y = self.kernel(x2.float(), self.bias).to(x.dtype)                   # bias added in the kernel
             return y.reshape(*shape[:-1], self.out_features)
         if rows <= INT8_MAX_ROWS and self._integer_path(x):

@@ -118,7 +118,8 @@ def _check(r: dict) -> str:
     if "same_as_hf" in r:
         parts.append("= HF beam search" if r["same_as_hf"] else "differs from HF beam search")
     if "ppl_change" in r:
-        parts.append(f"ppl {r['ppl']['fp32']:.3f} -> {r['ppl']['int8']:.3f} ({r['ppl_change']:+.2%})"
+        parts.append(f"ppl {r['ppl']['fp32']:.3f} -> {r['ppl']['int8']:.3f}, by steps {r['ppl']['int8 by steps']:.3f} "
+                     f"({r['ppl_change']:+.2%})"
                      + ("" if r["ok"] else " FAILS <= 1%"))
     if "growth" in r:
         parts.append(f"x{r['growth']:.2f} vs shortest")
