@@ -1,5 +1,5 @@
 /* y = x Wᵀ + b for a few rows of x (decoding, short prompts), fp32, AVX-512 or AVX2: reads W once, at
- * the memory's rate.
+ * the memory's rate (and the same for bf16 and int8 weights, below).
  *
  * Built by tformer/gemv.py (`tformer.gemv.main()`, which make runs) for the widest vectors the CPU
  * has, loaded with ctypes. W (N, K) is first packed into blocks of 16 output features, each block

@@ -17,7 +17,8 @@ linear.py keeps oneDNN's kernels.
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 
 The same library holds a bf16 variant of the product (`pack(w, torch.bfloat16)`: half the bytes,
-for the output layer's greedy screen, linear.Gemv.argmax), decoding attention (`attend`: one
+for the output layer's greedy screen, linear.Gemv.argmax), an int8 one (`pack8(q, scales)`: each
+row of x rounded to 7 bits, the products summed in integers, for quant.Int8Linear), decoding attention (`attend`: one
 query per row against the cached keys, every row and head in one call), and a GPT's whole decoding
 step built from these (`gpt_step`, for fused.GPTStep).
 """
@@ -279,8 +280,8 @@ def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int,
     """One decoding step through every pre-LN block of a GPT in one call (gemv.c, tformer_gpt_step):
     x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 18) int64 the addresses
     of each layer's norms, packed weights (fp32 by pack, or int8 by pack8) and their types, biases and
-    K, V caches (fused.py builds it); position `pos`
-    of the caches is written. The caller checks that everything fits (fused.GPTStep)."""
+    K, V caches (fused.py builds it); position `pos` of the caches is written. The caller checks that
+    everything fits (fused.GPTStep)."""
     m, d = x.shape
     width = (heads + 2 * kv_heads) * head_dim
     floats = m * (d + width + heads * head_dim + ffn)
