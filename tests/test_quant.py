@@ -54,7 +54,8 @@ def test_int8_kernel_equals_the_scaled_int8_matmul_formula():
 @needs_fbgemm
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_activations_error_within_rounding_bound(bias, monkeypatch):
-    """Int8 activations through FBGEMM (past KERNEL_ROWS rows, here from the first): |y_mn - y_exact_mn| <= (s_n / 2) Σ_k |x_mk| + (r_m·a / 2) Σ_k s_n |q_nk|, with r_m
+    """Int8 activations through FBGEMM (past KERNEL_ROWS rows, here from the first):
+    |y_mn - y_exact_mn| <= (s_n / 2) Σ_k |x_mk| + (r_m·a / 2) Σ_k s_n |q_nk|, with r_m
     row m's largest magnitude and a the 7-bit step (max(x/r, 0) - min(x/r, 0)) / 127 of the scaled input."""
     monkeypatch.setattr(quant, "KERNEL_ROWS", 0)
     torch.manual_seed(5)
@@ -74,7 +75,8 @@ def test_int8_activations_error_within_rounding_bound(bias, monkeypatch):
 
 @needs_fbgemm
 def test_int8_activations_kernel_equals_the_integer_formula(monkeypatch):
-    """FBGEMM's integer kernel (past KERNEL_ROWS rows, here from the first) computes r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
+    """FBGEMM's integer kernel (past KERNEL_ROWS rows, here from the first) computes
+    r_m·a·s_n · Σ_k (u_mk - z) q_nk with r_m = max_k |x_mk|,
     u = clamp(round(x / r / a) + z, 0, 127), a = (max(x/r, 0) - min(x/r, 0)) / 127 and
     z = round(-min(x/r, 0) / a), written out here by hand."""
     monkeypatch.setattr(quant, "KERNEL_ROWS", 0)
