@@ -146,6 +146,11 @@ def test_int8_kernel_keeps_a_bad_row_to_itself():
     torch.testing.assert_close(y[3], linear.bias.detach())
 
 
+def test_int8_linear_takes_an_empty_batch():
+    with torch.inference_mode():
+        assert Int8Linear(nn.Linear(32, 16))(torch.randn(0, 5, 32)).shape == (0, 5, 16)
+
+
 @needs_kernel
 def test_int8_kernel_repacks_after_its_weight_changes():
     layer, other = Int8Linear(nn.Linear(32, 16)), Int8Linear(nn.Linear(32, 16))

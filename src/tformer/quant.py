@@ -140,7 +140,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
         rows = x2.size(0)
-        if rows <= KERNEL_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
+        if 1 <= rows <= KERNEL_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
             y = self.kernel(x2.float(), self.bias).to(x.dtype)                   # bias added in the kernel
             return y.reshape(*shape[:-1], self.out_features)
         if rows <= INT8_MAX_ROWS and self._integer_path(x):
