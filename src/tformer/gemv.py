@@ -17,10 +17,10 @@ linear.py keeps oneDNN's kernels.
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 
 The same library holds a bf16 variant of the product (`pack(w, torch.bfloat16)`: half the bytes,
-for the output layer's greedy screen, linear.Gemv.argmax), an int8 one (`pack8(q, scales)`: each
-row of x rounded to 7 bits, the products summed in integers, for quant.Int8Linear), decoding attention (`attend`: one
-query per row against the cached keys, every row and head in one call), and a GPT's whole decoding
-step built from these (`gpt_step`, for fused.GPTStep).
+for the output layer's greedy screen, linear.Gemv.argmax), an int8 one (`gemv8` on `pack8(q,
+scales)`: each row of x rounded to 7 bits, the products summed in integers, for quant.Int8Linear),
+decoding attention (`attend`: one query per row against the cached keys, every row and head in one
+call), and a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep).
 """
 
 from __future__ import annotations
@@ -188,12 +188,6 @@ def pack8(q: Tensor, scales: Tensor) -> Tensor:
     return packed
 
 
-def packed8_size(n: int, k: int) -> int:
-    """Bytes of pack8's tensor for a weight (n, k)."""
-    blocks = -(-n // BLOCK)
-    return blocks * BLOCK * (4 * -(-k // 4) + 8)
-
-
 def bf16_paired() -> bool:
     """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
     fn = _function("tformer_bf16_paired")
@@ -202,21 +196,10 @@ def bf16_paired() -> bool:
 
 def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice | None = None) -> Tensor:
     """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from (fp32, or
-    bf16: each product exact in fp32, only W rounded; or pack8's int8: each row of x rounded to 7 bits
-    as gemv.c says, the products summed exactly). `blocks` (a slice of whole blocks, start even; not
-    for int8): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
+    bf16: each product exact in fp32, only W rounded). `blocks` (a slice of whole blocks, start
+    even): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
     x = x.contiguous()
     m, k = x.shape
-    if packed.dtype == torch.int8:
-        if m < 1 or x.dtype != torch.float32 or packed.dim() != 1 or packed.numel() != packed8_size(n, k) or blocks:
-            raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit an int8 weight ({n}, {k}) packed "
-                             f"in {packed.numel()} bytes")
-        bias = None if bias is None else bias.float().contiguous()
-        y = torch.empty(m, n, dtype=torch.float32)
-        scratch = torch.empty(min(m, CHUNK_ROWS) * 4 * -(-k // 4), dtype=torch.uint8)
-        _function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       y.data_ptr(), m, n, k, scratch.data_ptr())
-        return y
     if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32 or packed.dtype not in (
             torch.float32, torch.bfloat16):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
@@ -231,6 +214,24 @@ def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice |
     p, xp, yp = packed[first].data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
         kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
+    return y
+
+
+def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W = scales · q as pack8(q, scales) holds it: each
+    row of x rounded to 7 bits on its own range, the products summed exactly in integers (gemv.c)."""
+    x = x.contiguous()
+    m, k = x.shape
+    blocks, groups = -(-n // BLOCK), -(-k // 4)
+    if m < 1 or x.dtype != torch.float32 or packed.dtype != torch.int8 or packed.numel() != blocks * BLOCK * (
+            4 * groups + 8):
+        raise ValueError(f"gemv8: x {tuple(x.shape)} {x.dtype} does not fit an int8 weight ({n}, {k}) packed "
+                         f"in {packed.numel()} {packed.dtype} elements")
+    bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
+    y = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(min(m, CHUNK_ROWS) * 4 * groups, dtype=torch.uint8)   # x rounded, CHUNK_ROWS rows a time
+    _function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), m, n, k, scratch.data_ptr())
     return y
 
 

@@ -115,7 +115,7 @@ class Gemv8(Plan):
         self.out_features = weight.size(0)
 
     def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        return gemv.gemv(self.packed, x, bias, self.out_features)
+        return gemv.gemv8(self.packed, x, bias, self.out_features)
 
 
 class Int8Linear(nn.Module):
