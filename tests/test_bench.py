@@ -8,7 +8,7 @@ import torch
 
 import tformer
 from tformer.bench import format_table, write_json
-from tformer.bench.common import ReadProbe, interleaved_times, median_time, param_count
+from tformer.bench.common import ReadProbe, interleaved_times, median_time, param_count, share_of_reads_around
 from tformer.bench.decode import _decode_case, _peers, bytes_per_token
 from tformer.bench.training import flops_per_token
 from tformer.cli import main
@@ -140,3 +140,13 @@ def test_decode_roofline_uses_the_bandwidth_sampled_alongside_the_runs():
     assert row["ceiling"] == pytest.approx(read_bound)
     assert row["utilisation"] == pytest.approx(row["tformer"] / row["ceiling"])
     assert probe.gbps(1.0) == pytest.approx(3 * 8 * 2**20 / 1e9)             # three sums of 8 MiB in 1 s
+
+
+def test_a_run_is_measured_against_the_reads_sampled_around_it():
+    # 1 GB read in 0.1 s = 10 GB/s. Run 0 meets memory at 20 GB/s on both sides (share 0.5), run 1
+    # at 10 and 30 (0.5), run 2 at 5 and 15 (1.0): median 0.5 (the median of all six samples, 17.5
+    # GB/s, would say 0.57).
+    assert share_of_reads_around([0.1, 0.1, 0.1], 1e9, [20, 10, 5], [20, 30, 15]) == pytest.approx(0.5)
+    assert share_of_reads_around([0.2], 1e9, [10], [10]) == pytest.approx(0.5)      # 5 GB/s of 10
+    with pytest.raises(ValueError):
+        share_of_reads_around([0.1, 0.1], 1e9, [10], [10])                           # a run without its samples

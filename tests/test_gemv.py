@@ -118,7 +118,8 @@ def _runs(cpu: str) -> bool:
 @pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
 def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
-    blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded)."""
+    blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), and the
+    screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two)."""
     if not _runs(cpu):
         pytest.skip(f"this CPU cannot run the {cpu} build")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
@@ -135,6 +136,11 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
             assert torch.allclose(gemv.gemv(gemv.pack(w), x, b, n), F.linear(x, w, b), atol=1e-5)
             rounded = w.bfloat16().float()
             assert torch.allclose(gemv.gemv(gemv.pack(w, torch.bfloat16), x, b, n), F.linear(x, rounded, b), atol=1e-5)
+            head = _head(1000, 128, rows)
+            assert plan_decoding(head, rows) == 1
+            with torch.no_grad():
+                for x in (torch.randn(rows, 128), torch.stack([head.weight[[3, 41, 5][i % 3]] for i in range(rows)])):
+                    assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
     finally:
         gemv._function.cache_clear()
 
@@ -278,27 +284,15 @@ def test_bf16_packed_weights_multiply_exactly_in_fp32(rows):
     assert ((gemv.gemv(gemv.pack(w, torch.bfloat16), x, b, n) - exact).abs() <= (k + 1) * 2.0 ** -24 * scale).all()
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
-def test_a_slice_of_blocks_is_bit_for_bit_the_whole_products_columns(rows):
-    torch.manual_seed(rows)
-    n, k = 16 * 7 + 5, 64                                          # 8 blocks, the last one partial
-    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
-    packed = gemv.pack(w)
-    whole = gemv.gemv(packed, x, b, n)
-    for first in (0, 2, 6):
-        part = gemv.gemv(packed, x, b, n, slice(first, first + 2))
-        assert torch.equal(part, whole[:, 16 * first:16 * first + part.size(1)])
-
-
 def _head(n: int, k: int, seed: int) -> Linear:
     """An output layer whose rows hold exact duplicates and near-duplicates (closer than bf16 can
-    tell apart), so that the screen passes several candidates and the exact products must decide."""
+    tell apart), so that the screen passes several candidates and the exact products, from several
+    pairs of blocks (the last one partial), must decide."""
     torch.manual_seed(seed)
     head = Linear(k, n)
     with torch.no_grad():
-        head.weight[7] = head.weight[3]                            # a tie: the first index wins
-        head.bias[7] = head.bias[3]
+        for tie in (7, 100, n - 2):                                # ties, in pairs of blocks of their own
+            head.weight[tie], head.bias[tie] = head.weight[3], head.bias[3]      # too: the first index wins
         head.weight[40] = head.weight[41] * (1 + 2.0 ** -12)       # equal in bf16, not in fp32
         head.weight[n - 1] = head.weight[5] * (1 - 2.0 ** -12)
     return head

@@ -6,9 +6,9 @@ two thirds of what memory delivers (~33 GB/s), and at 19 of 25 GB/s on an AVX2 o
 `gemv.c` reads them at the full rate: the weight is packed once into blocks of 16 output features
 (`pack`), which each thread streams front to back.
 
-The kernel is C, compiled once at install time (`tformer.gemv.main()`, which `make` runs) into a
-shared library next to this file (or under ~/.cache/tformer when the package directory is
-read-only), for the CPU's widest vectors (`flags()`), and loaded with ctypes. It is used only where
+The kernel is C, compiled once at install time (`tformer.gemv.main()`, which `make` runs) into a shared
+library next to this file (or under ~/.cache/tformer when the package directory is read-only), for the
+CPU's widest vectors (`flags()`), and loaded with ctypes. It is used only where
 it can run: x86-64 Linux with AVX-512 or AVX2, PyTorch on OpenMP (the library then shares PyTorch's
 threads), and a library built from this very source. Anywhere else `available()` is False and
 linear.py keeps oneDNN's kernels.
@@ -16,11 +16,10 @@ linear.py keeps oneDNN's kernels.
     p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 
-The same library holds a bf16 variant of the product (`pack(w, torch.bfloat16)`: half the bytes,
-for the output layer's greedy screen, linear.Gemv.argmax), an int8 one (`gemv8` on `pack8(q,
-scales)`: each row of x rounded to 7 bits, the products summed in integers, for quant.Int8Linear),
-decoding attention (`attend`: one query per row against the cached keys, every row and head in one
-call), and a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep).
+The same library holds a bf16 variant (`pack(w, torch.bfloat16)`: half the bytes) and greedy decoding's
+argmax through it (`argmax_bf16`, for linear.Gemv.argmax), an int8 product (`gemv8` on `pack8(q, scales)`,
+for quant.Int8Linear), decoding attention (`attend`: every row and head in one call), and a GPT's whole
+decoding step built from these (`gpt_step`, for fused.GPTStep).
 """
 
 from __future__ import annotations
@@ -124,10 +123,11 @@ def _function(name: str):
                            + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
                            + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
         "tformer_gpt_step": ([ptr, i64, ptr] + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_float, ptr]),
+        "tformer_argmax_bf16": [ptr] * 5 + [ctypes.c_float] + [i64] * 3 + [ptr] * 2,   # ...; r; M, N, K; rough, best
         "tformer_bf16_paired": [],
     }[name]
     fn = getattr(ctypes.CDLL(str(library_path())), name)
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int if name == "tformer_bf16_paired" else None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int if name in ("tformer_bf16_paired", "tformer_argmax_bf16") else None
     return fn
 
 
@@ -190,31 +190,41 @@ def pack8(q: Tensor, scales: Tensor) -> Tensor:
 
 def bf16_paired() -> bool:
     """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
-    fn = _function("tformer_bf16_paired")
-    return bool(fn()) if fn is not None else False
+    return (fn := _function("tformer_bf16_paired")) is not None and bool(fn())
 
 
-def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int, blocks: slice | None = None) -> Tensor:
+def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from (fp32, or
-    bf16: each product exact in fp32, only W rounded). `blocks` (a slice of whole blocks, start
-    even): only those outputs, (M, 16·len(blocks)) at most, bit for bit as the whole product has them."""
+    bf16: each product exact in fp32, only W rounded)."""
     x = x.contiguous()
     m, k = x.shape
     if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32 or packed.dtype not in (
             torch.float32, torch.bfloat16):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
-    first = 0
-    if blocks is not None:                                                    # a pair of blocks stays a pair
-        first, stop = blocks.start, min(blocks.stop, packed.size(0))
-        n = min(n, BLOCK * stop) - BLOCK * first
     y = torch.empty(m, n, dtype=torch.float32)
-    b = None if bias is None else bias.data_ptr() + 4 * BLOCK * first
+    b = None if bias is None else bias.data_ptr()
     kernel = _function("tformer_gemv" if packed.dtype == torch.float32 else "tformer_gemv_bf16")
-    p, xp, yp = packed[first].data_ptr(), x.data_ptr(), y.data_ptr()
+    p, xp, yp = packed.data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
         kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
     return y
+
+
+def argmax_bf16(screen: Tensor, packed: Tensor, slack: Tensor, x: Tensor, bias: Tensor | None, rounding: float,
+                n: int) -> Tensor | None:
+    """x (M, K) fp32, M <= PLAN_ROWS -> (M,) int64, each row's index of its largest output of x Wᵀ + bias (the
+    first of equals), from `screen` (pack(w, torch.bfloat16)), `packed` (pack(w)) and the screen's error bound
+    (`slack` (N,), `rounding`: linear.Gemv.argmax); None where x or the screen is not finite."""
+    x, bias = x.contiguous(), None if bias is None else bias.float().contiguous()
+    m, fits = x.size(0), screen.shape == packed.shape == (packed.size(0), x.size(1), BLOCK)
+    if not 1 <= m <= PLAN_ROWS or x.dtype != torch.float32 or not fits or screen.dtype != torch.bfloat16:
+        raise ValueError(f"argmax_bf16: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
+    rough, best = torch.empty(m, n), torch.empty(m, dtype=torch.int64)     # rough: the screen's outputs
+    status = _function("tformer_argmax_bf16")(screen.data_ptr(), packed.data_ptr(), slack.data_ptr(), x.data_ptr(),
+                                              None if bias is None else bias.data_ptr(), rounding, m, n, x.size(1),
+                                              rough.data_ptr(), best.data_ptr())
+    return best if status == 0 else None
 
 
 def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
@@ -242,7 +252,6 @@ def main() -> None:
         print(f"tformer.gemv: built {build()}")
     except RuntimeError as e:
         print(f"tformer.gemv: not built ({e}); decoding uses oneDNN's kernels")
-
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,

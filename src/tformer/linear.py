@@ -134,7 +134,8 @@ class Gemv(Plan):
            comparisons), all padded by 1%.
         2. Only outputs with ỹ_j + reach_j >= max_i (ỹ_i - reach_i) can be the largest: usually a few.
         3. Their exact fp32 outputs, from the blocks that hold them (bit for bit those of self(x)),
-           decide. None when x is not finite (the caller then takes all the outputs)."""
+           decide. None when x is not finite (the caller then takes all the outputs).
+        All three in one call of the kernel (gemv.argmax_bf16): no PyTorch operation per step."""
         rounding = 1.01 * 2 * (self.weight.size(1) + 5) * 2.0 ** -24             # r, padded
         if self.screen is None:
             w = self.weight.float()
@@ -142,24 +143,7 @@ class Gemv(Plan):
             error = (w - rounded.float()).abs().amax(dim=1)
             self.slack = 1.01 * error + rounding * (1 + 2.0 ** -8) * w.abs().amax(dim=1)   # s_j (|w̃| <= |w| (1 + 2⁻⁸))
             self.screen = gemv.pack(rounded, torch.bfloat16)
-        n = self.weight.size(0)
-        reach = x.abs().sum(dim=1, keepdim=True) * self.slack                    # (M, N)
-        if bias is not None:
-            reach += rounding * bias.abs()
-        rough = gemv.gemv(self.screen, x, bias, n)
-        floor = (rough - reach).amax(dim=1, keepdim=True)
-        if not bool(torch.isfinite(floor).all()):
-            return None
-        rows, cols = torch.nonzero(rough + reach >= floor, as_tuple=True)       # by row, then column
-        best, top = [0] * x.size(0), [float("-inf")] * x.size(0)
-        pairs = cols // (2 * gemv.BLOCK)                                         # the kernel's passes cover pairs
-        for pair in torch.unique(pairs).tolist():                                # of blocks: a pair stays one
-            exact = gemv.gemv(self.packed, x, bias, n, slice(2 * pair, 2 * pair + 2))
-            r, c = rows[pairs == pair], cols[pairs == pair]
-            for i, j, y in zip(r.tolist(), c.tolist(), exact[r, c - 2 * gemv.BLOCK * pair].tolist()):
-                if y > top[i] or (y == top[i] and j < best[i]):                  # the first of equals
-                    top[i], best[i] = y, j
-        return torch.tensor(best)
+        return gemv.argmax_bf16(self.screen, self.packed, self.slack, x, bias, rounding, self.weight.size(0))
 
 
 class Linear(nn.Linear):

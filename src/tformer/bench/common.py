@@ -47,6 +47,12 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: str, repeats
                       warmup: int = 1) -> dict[str, float]:
     """Median time of each fn, with the peers' runs interleaved (a, b, a, b, ...) so that a burst of
     load from other processes hits both peers alike."""
+    return {name: statistics.median(t) for name, t in interleaved_samples(fns, device, repeats, warmup).items()}
+
+
+def interleaved_samples(fns: dict[str, Callable[[], object]], device: str, repeats: int = 3,
+                        warmup: int = 1) -> dict[str, list[float]]:
+    """Every time of interleaved_times, in the order run: repeat i of each fn is entry i of its list."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -58,7 +64,7 @@ def interleaved_times(fns: dict[str, Callable[[], object]], device: str, repeats
             fn()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 class PeerProcess:
@@ -172,6 +178,12 @@ class ReadProbe:
 
     def gbps(self, seconds: float) -> float:
         return self.sums * self.x.numel() * 4 / seconds / 1e9
+
+
+def share_of_reads_around(seconds: list[float], nbytes: float, before: list[float], after: list[float]) -> float:
+    """Median over runs i of the bytes/s run i read (`nbytes` in seconds[i]) as a share of the read
+    rate sampled right before and right after it (GB/s, averaged): a roofline of the same moment."""
+    return statistics.median(nbytes / t / 1e9 / ((b + a) / 2) for t, b, a in zip(seconds, before, after, strict=True))
 
 
 def read_bandwidth(device: str, mbytes: int = 512, min_time: float = 0.3) -> float:

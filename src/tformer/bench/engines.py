@@ -21,6 +21,7 @@ import copy
 import functools
 import importlib.util
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -33,9 +34,11 @@ from .common import (
     engine_row,
     from_hf_model,
     hf_gpt2,
+    interleaved_samples,
     interleaved_times,
     pad_rows,
     peer_threads,
+    share_of_reads_around,
 )
 from .onnx_peer import minilm_rows
 
@@ -172,22 +175,30 @@ def gpt2_case(models: dict, dtype: str, batch: int, peer: PeerProcess, probe: Re
     def run_peer():
         out["peer"] = torch.tensor(peer(ids.tolist(), new))
 
-    fns = {"tformer": run_ours, "peer": run_peer}
-    if dtype == "fp32" and batch == 1:
-        fns["read"] = probe
+    roofline = dtype == "fp32" and batch == 1
+    # The roofline case samples memory right before and right after each tformer run: on a shared
+    # host the read rate swings by half within seconds, so a probe seconds away measures another moment.
+    fns = {"read": probe, "tformer": run_ours, "read after": probe} if roofline else {"tformer": run_ours}
+    fns["peer"] = run_peer
     if dtype == "int8" and batch == 1:     # quantize_int8 on the fp32 model vs that model itself
         fns["fp32"] = lambda: models["fp32"].generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=[])
-    times = interleaved_times(fns, "cpu", repeats=repeats, warmup=1)
+    samples = interleaved_samples(fns, "cpu", repeats=repeats + 2 * roofline, warmup=1)
+    times = {name: statistics.median(t) for name, t in samples.items()}
     same = out["ours"].shape == out["peer"].shape and bool((out["ours"] == out["peer"]).all())
     extra = {"same_tokens": same,
              "target": {("fp32", 1): 1.1, ("fp32", 8): 1.5, ("int8", 1): 1.1, ("int8", 8): 1.2}[dtype, batch]}
-    if "read" in times:
-        # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled now; tformer
-        # reads its output layer's bf16 screen (greedy), CTranslate2 the fp32 weight.
-        gbps = probe.gbps(times["read"])
+    if roofline:
+        # Roofline at batch 1: a step reads every weight once, at the bandwidth sampled around it;
+        # tformer reads its output layer's bf16 screen (greedy), CTranslate2 the fp32 weight.
         ours_bytes, peer_bytes = bytes_per_token(models["fp32"]), bytes_per_token(models["fp32"], screened=False)
-        extra.update(ceiling=gbps * 1e9 / ours_bytes, utilisation=new / times["tformer"] * ours_bytes / gbps / 1e9,
-                     peer_utilisation=new / times["peer"] * peer_bytes / gbps / 1e9,
+        before, after = [probe.gbps(t) for t in samples["read"]], [probe.gbps(t) for t in samples["read after"]]
+        gbps = statistics.median(before + after)
+        extra.update(ceiling=gbps * 1e9 / ours_bytes,
+                     utilisation=share_of_reads_around(samples["tformer"], new * ours_bytes, before, after),
+                     peer_utilisation=share_of_reads_around(samples["peer"], new * peer_bytes, after,
+                                                            before[1:] + after[-1:]),
+                     utilisation_by_median_read=new / times["tformer"] * ours_bytes / gbps / 1e9,
+                     read_GBps_samples=before + after,
                      bytes_per_token=ours_bytes, peer_bytes_per_token=peer_bytes,
                      utilisation_name=f"of roofline (BW {gbps:.0f} GB/s)")
     name = f"GPT-2{'' if not quick else ' 2-layer'} b{batch} {dtype} p32+{new}"
