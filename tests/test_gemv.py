@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tformer import gemv, linear
 from tformer.linear import Gemv, Linear, plan_decoding
+from tformer.quant import quantize_weight
 
 needs_kernel = pytest.mark.skipif(gemv.unsupported() is not None, reason=f"gemv: {gemv.unsupported()}")
 
@@ -100,13 +101,14 @@ def test_build_says_why_it_cannot(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="x86-64 Linux only")
-@pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
-def test_source_builds_for_each_vector_width(monkeypatch, tmp_path, cpu):
-    """The kernel compiles for AVX-512 and for AVX2 whichever CPU runs the tests (only the one it
-    has can run the result), into a library of its own name."""
+@pytest.mark.parametrize("cpu, vnni", [("AVX2", False), ("AVX512", False), ("AVX512", True)])
+def test_source_builds_for_each_vector_width(monkeypatch, tmp_path, cpu, vnni):
+    """The kernel compiles for AVX-512 (with and without VNNI's int8 products) and for AVX2 whichever
+    CPU runs the tests (only the ones it has can run the result), into a library of its own name."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
-    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
-    assert set(gemv.VECTORS[cpu]) <= set(gemv.flags())
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}-{vnni}.so")
+    assert set(gemv.VECTORS[cpu]) <= set(gemv.flags()) and ("-mavx512vnni" in gemv.flags()) == vnni
     assert gemv.build().exists()
 
 
@@ -118,10 +120,15 @@ def _runs(cpu: str) -> bool:
 @pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
 def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
-    blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), and the
-    screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two)."""
+    blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), the
+    screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two), and the int8 product bit for
+    bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same)."""
     if not _runs(cpu):
         pytest.skip(f"this CPU cannot run the {cpu} build")
+    torch.manual_seed(1)
+    q, scales = quantize_weight(torch.randn(37, 103))
+    int8_x = [torch.randn(rows, 103) for rows in (1, 3, 8, 64)]
+    int8_here = [gemv.gemv8(gemv.pack8(q, scales), x, None, 37) for x in int8_x] if gemv.available() else None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
     monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
     gemv._function.cache_clear()
@@ -141,6 +148,8 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
             with torch.no_grad():
                 for x in (torch.randn(rows, 128), torch.stack([head.weight[[3, 41, 5][i % 3]] for i in range(rows)])):
                     assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
+        for x, expected in zip(int8_x, int8_here or []):
+            assert torch.equal(gemv.gemv8(gemv.pack8(q, scales), x, None, 37), expected)
     finally:
         gemv._function.cache_clear()
 

@@ -52,8 +52,10 @@ MAX_KEYS = 16384
 
 
 def flags() -> list[str]:
-    """The compiler's flags for this CPU: its widest vectors (AVX-512, else AVX2 with FMA)."""
-    return FLAGS + VECTORS.get(torch.backends.cpu.get_cpu_capability(), [])
+    """The compiler's flags for this CPU's widest vectors: AVX-512 (with VNNI where it has it), else AVX2 + FMA."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    vnni = ["-mavx512vnni"] if cpu in ("AVX512", "AMX") and torch.cpu._is_vnni_supported() else []
+    return FLAGS + VECTORS.get(cpu, []) + vnni
 
 
 def library_path() -> Path:
@@ -139,12 +141,11 @@ def available() -> bool:
 def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """An uninitialised tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
 
-    Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware
-    prefetcher at each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster here
-    (benchmarks/gemv_pages.py: 23.5 -> 27.3 GB/s back to back, BENCHMARKS.md). PyTorch's allocator
-    does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the memory is
-    mapped here; the tensor keeps the mapping alive and unmaps it when freed. Where the system does
-    not grant huge pages (transparent huge pages off) this is ordinary memory."""
+    Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware prefetcher at
+    each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster (benchmarks/gemv_pages.py).
+    PyTorch's allocator does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the
+    memory is mapped here; the tensor keeps the mapping alive and unmaps it when freed (ordinary memory
+    where the system grants no huge pages)."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
@@ -293,8 +294,7 @@ def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int,
     K, V caches (fused.py builds it); position `pos` of the caches is written. The caller checks that
     everything fits (fused.GPTStep)."""
     m, d = x.shape
-    width = (heads + 2 * kv_heads) * head_dim
-    floats = m * (d + width + heads * head_dim + ffn)
+    floats = m * (d + (heads + 2 * kv_heads) * head_dim + heads * head_dim + ffn)     # h, qkv, attention, up
     scratch = torch.empty(floats + m * (max(d, heads * head_dim, ffn) + 3) // 4 + 1, dtype=torch.float32)
     _function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
                                   ffn, max_len, pos, eps, act, scale, scratch.data_ptr())
