@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_fused import gpt, steps
 from tformer import gemv, linear
 from tformer.linear import Gemv, Linear, plan_decoding
 from tformer.quant import quantize_weight
@@ -122,7 +123,8 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
     blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), the
     screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two), and the int8 product bit for
-    bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same)."""
+    bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same), and a
+    GPT's fused step as its layers give it."""
     if not _runs(cpu):
         pytest.skip(f"this CPU cannot run the {cpu} build")
     torch.manual_seed(1)
@@ -150,6 +152,10 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
                     assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
         for x, expected in zip(int8_x, int8_here or []):
             assert torch.equal(gemv.gemv8(gemv.pack8(q, scales), x, None, 37), expected)
+        model = gpt(d_ff=520)                            # GPT-2's GELU (tanh) in vectors, and a tail of 8
+        for rows in (1, 3):
+            ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(steps(model, ids, 3, True), steps(model, ids, 3, False), rtol=1e-4, atol=1e-4)
     finally:
         gemv._function.cache_clear()
 
