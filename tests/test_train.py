@@ -367,3 +367,28 @@ def test_compile_without_a_compiler_trains_uncompiled_and_says_so(data, tmp_path
     result = train(["--data", data, *SMALL, "--max-steps", "2", "--compile", "--out", str(tmp_path / "r")])
     assert result.step == 2 and compiled == []
     assert "--compile needs a C++ compiler" in capsys.readouterr().err
+
+
+def test_compile_marks_the_lengths_that_change_dynamic(data, tmp_path, monkeypatch):
+    """Under --compile the batch dimensions that change from step to step (translation's padded lengths)
+    are marked dynamic, so the compiler builds one graph for all lengths, not one for the first batch's
+    and another for the rest; a language model's fixed windows mark nothing."""
+    class Compiled(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *a, **k):
+            return self.model(*a, **k)
+
+    marked = []
+    monkeypatch.setattr(torch, "compile", lambda m, *a, **k: Compiled(m))
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, dims: marked.append((tuple(t.shape), dims)))
+    fixed = ["--max-steps", "3", "--compile", "--no-progress", "--precision", "fp32", "--eval-every", "1000"]
+    train(["--data", data, *SMALL, *fixed, "--out", str(tmp_path / "lm")])
+    assert all(dims == [] for _, dims in marked)
+    marked.clear()
+    train(["--task", "translate", "--preset", "tiny", "--vocab-size", "300", "--batch-size", "4", *fixed,
+           "--out", str(tmp_path / "mt")])
+    lengths = {shape[1] for shape, dims in marked if dims == [1]}
+    assert len(lengths) > 1 and all(dims in ([], [1]) and shape[0] == 4 for shape, dims in marked)
