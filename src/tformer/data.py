@@ -192,3 +192,12 @@ def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -
     per_rank, per_micro = size // world, size // (world * accum)
     mine = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
     return [{k: v[i * per_micro:(i + 1) * per_micro] for k, v in mine.items()} for i in range(accum)]
+
+
+def varying_dims(batches: list[dict[str, Tensor]]) -> dict[str, list[int]]:
+    """For each tensor of the batches, the dimensions whose size differs between them (padded lengths):
+    marked dynamic for torch.compile, which otherwise compiles for the first batch's shapes and again,
+    for any shape, at the first batch that differs."""
+    first = batches[0]
+    return {k: [d for d in range(v.dim()) if any(k in b and b[k].dim() == v.dim() and b[k].size(d) != v.size(d)
+                                                 for b in batches)] for k, v in first.items()}

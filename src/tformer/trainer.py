@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import WEIGHTS, load_state, read_safetensors
-from .data import micro_batches
+from .data import micro_batches, varying_dims
 from .devices import cxx_compiler, native_bf16, pick_device
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
@@ -84,15 +84,8 @@ class Trainer:
         if no_compiler:
             self._say("warning: --compile needs a C++ compiler (g++ or clang++, or set CXX); training without it")
         self.train_model = torch.compile(self.model) if cfg.compile and not no_compiler else self.model
-        self.varying = self._varying_dims() if self.train_model is not self.model else {}
-
-    def _varying_dims(self) -> dict[str, list[int]]:
-        """The batch dimensions that change from step to step (padded lengths), marked dynamic for
-        torch.compile: left alone, it compiles once for the first batch's shapes and again, for any
-        shape, at the first batch that differs (about a minute each for the Bible model)."""
-        shapes = [{k: v.shape for k, v in self.task.batch(s, "train").items()} for s in range(4)]
-        return {k: [d for d in range(len(v)) if any(len(b.get(k, ())) == len(v) and b[k][d] != v[d] for b in shapes)]
-                for k, v in shapes[0].items()}
+        self.varying = (varying_dims([self.task.batch(s, "train") for s in range(4)])
+                        if self.train_model is not self.model else {})
 
     # --- outputs -------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -194,9 +187,8 @@ class Trainer:
             with grad_sync(self.model, self.dist, self.cfg.fsdp, last=i == len(micros) - 1):
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
-                    for k, dims in self.varying.items():
-                        if k in micro:
-                            torch._dynamo.maybe_mark_dynamic(micro[k], dims)
+                    for k in self.varying.keys() & micro.keys():
+                        torch._dynamo.maybe_mark_dynamic(micro[k], self.varying[k])
                     loss = self.task.loss(self.train_model, micro) / len(micros)
                 loss.backward()
             loss_sum += loss.item()
