@@ -195,9 +195,9 @@ def micro_batches(batch: dict[str, Tensor], rank: int, world: int, accum: int) -
 
 
 def varying_dims(batches: list[dict[str, Tensor]]) -> dict[str, list[int]]:
-    """For each tensor of the batches, the dimensions whose size differs between them (padded lengths):
-    marked dynamic for torch.compile, which otherwise compiles for the first batch's shapes and again,
-    for any shape, at the first batch that differs."""
-    first = batches[0]
-    return {k: [d for d in range(v.dim()) if any(k in b and b[k].dim() == v.dim() and b[k].size(d) != v.size(d)
-                                                 for b in batches)] for k, v in first.items()}
+    """The dimensions of each tensor whose size differs between the batches (padded lengths), for the
+    tensors that have any: marked dynamic for torch.compile, which otherwise compiles for the first
+    batch's shapes and again, for any shape, at the first batch that differs."""
+    sizes = {k: {b[k].shape for b in batches} for k in batches[0]}
+    dims = {k: [d for d in range(len(next(iter(s)))) if len({x[d] for x in s}) > 1] for k, s in sizes.items()}
+    return {k: d for k, d in dims.items() if d}
