@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class Trainer:
         self.state = TrainState()
         self.plain: nn.Module | None = None   # the model itself (what is saved)
         self.model: nn.Module | None = None   # ... as trained: DDP- or FSDP-wrapped under torchrun
-        self.train_model: nn.Module | None = None  # ... compiled with --compile
+        self.train_loss = None             # task.loss of self.model; with --compile, compiled together
         self.ema: EMA | None = None
         self.guard: NumericGuard | None = None
         self.opt: torch.optim.Optimizer | None = None
@@ -83,9 +84,12 @@ class Trainer:
         no_compiler = cfg.compile and self.device.type == "cpu" and cxx_compiler() is None
         if no_compiler:
             self._say("warning: --compile needs a C++ compiler (g++ or clang++, or set CXX); training without it")
-        self.train_model = torch.compile(self.model) if cfg.compile and not no_compiler else self.model
-        self.varying = (varying_dims([self.task.batch(s, "train") for s in range(4)])
-                        if self.train_model is not self.model else {})
+        # the loss is compiled with the model: the softmax over the vocabulary and its gradient fuse
+        # into a few passes instead of several tensors of (tokens x vocabulary) (BENCHMARKS.md)
+        compiling = cfg.compile and not no_compiler
+        self.train_loss = partial(self.task.loss, self.model)
+        self.train_loss = torch.compile(self.train_loss) if compiling else self.train_loss
+        self.varying = varying_dims([self.task.batch(s, "train") for s in range(4)]) if compiling else {}
 
     # --- outputs -------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -189,7 +193,7 @@ class Trainer:
                     micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
                     for k in self.varying.keys() & micro.keys():
                         torch._dynamo.maybe_mark_dynamic(micro[k], self.varying[k])
-                    loss = self.task.loss(self.train_model, micro) / len(micros)
+                    loss = self.train_loss(micro) / len(micros)
                 loss.backward()
             loss_sum += loss.item()
         healthy = self.guard.healthy(loss_sum, self.guard.grad_norm(), step + 1)
