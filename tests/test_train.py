@@ -399,7 +399,8 @@ def test_compiled_training_matches_eager(tmp_path):
     """--compile compiles the model and the loss together (one graph for every padded length); it changes
     the speed, not the numbers: the same losses step by step as the eager run, the same weights after."""
     fixed = ["--task", "translate", "--preset", "tiny", "--vocab-size", "300", "--batch-size", "4", "--max-steps", "4",
-             "--lr", "1e-2", "--warmup", "1", "--log-every", "1", "--no-progress", "--precision", "fp32", "--eval-every", "1000"]
+             "--lr", "1e-2", "--warmup", "1", "--log-every", "1", "--no-progress", "--precision", "fp32",
+             "--eval-every", "1000"]
     runs = [train([*fixed, flag, "--out", str(tmp_path / flag.strip("-"))]) for flag in ("--no-compile", "--compile")]
     losses = [[r["train_loss"] for r in run.records if "train_loss" in r] for run in runs]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-4)
