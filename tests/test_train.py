@@ -318,6 +318,7 @@ def test_defaults_come_from_the_task_recipe_and_a_flag_overrides_them(data):
     task, cfg, _, saved, chosen = prepare(parse())
     assert chosen["lr"] == HAMLET["lr"] != LMOptions.lr and cfg.lr == HAMLET["lr"]
     assert cfg.batch_size == HAMLET["batch_size"] and task.cfg.attn_dropout == HAMLET["attn_dropout"]
+    assert cfg.weight_decay == HAMLET["weight_decay"] != TrainConfig.weight_decay
     defaults = TrainConfig(out="x", max_steps=1)
     for f in fields(TrainConfig):
         if f.name not in chosen:
