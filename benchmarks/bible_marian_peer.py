@@ -1,16 +1,21 @@
 """The peer for the Bible en->es run: a Hugging Face MarianMTModel of the same size, trained for the
 same time on the same batches (the tformer run's tokenizer, TranslateTask's length-grouped batches of
 the same seed, the recipe's learning rate, warm-up + cosine schedule, batch, dropout, AdamW, label
-smoothing; bf16 autocast only where the CPU computes bf16 natively, as `--precision auto`), then
-scored with the same beam search on the same held-out chapters.
+smoothing, and its moving average of the weights, which is what is scored, as tformer scores best/;
+bf16 autocast only where the CPU computes bf16 natively, as `--precision auto`), then scored with the
+same beam search on the same held-out chapters.
 
-Marian's own block is the 2017 one (post-norm, sinusoidal positions, GELU feed-forward); it takes the
-recipe's layers, width, heads and feed-forward size (a SwiGLU's hidden size is scaled by 3/2 so the
-parameter counts match).
+Marian's own block is the 2017 one (post-norm, sinusoidal positions, GELU feed-forward, token
+embeddings scaled by sqrt(d_model) as in the paper and in every opus-mt checkpoint; MarianConfig's
+default leaves them unscaled, `--no-scale-embedding`, and then the 0.02-std vectors are lost under
+the sinusoids); it takes the recipe's layers, width, heads and feed-forward size (a SwiGLU's hidden
+size is scaled by 3/2 so the parameter counts match).
 
     python benchmarks/bible_marian_peer.py --time-budget 1200 --limit 500 > marian.json
 
-Prints one JSON line: steps, val_loss, bleu, chrf, exact_match.
+Prints one JSON line: steps, val_loss (of the scored weights), val_loss_live (the last step's
+weights), bleu, chrf, exact_match. `--max-steps N` trains N steps instead (the cosine then follows
+the steps), for comparisons at equal steps.
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=500, help="held-out verses translated for BLEU/chrF")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the tformer recipe's)")
+    p.add_argument("--max-steps", type=int, default=None, help="train this many steps, not --time-budget seconds")
+    p.add_argument("--scale-embedding", action=argparse.BooleanOptionalAction, default=True,
+                   help="multiply token embeddings by sqrt(d_model), as the 2017 paper and opus-mt (default: on)")
     a = p.parse_args()
 
     from transformers import MarianConfig, MarianMTModel
 
     from tformer import metrics
     from tformer.devices import native_bf16
-    from tformer.optim import lr_at, param_groups
+    from tformer.ema import EMA
+    from tformer.optim import lr_at, param_groups, progress_of
     from tformer.options import pick
     from tformer.tasks.translate import IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
     from tformer.tokenizers import load_tokenizer
@@ -60,23 +69,25 @@ def main() -> None:
                        max_position_embeddings=m.max_seq_len, dropout=m.dropout,
                        attention_dropout=m.attention_dropout, activation_function="gelu",
                        pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
-                       decoder_start_token_id=tok.bos_id, forced_eos_token_id=None,
+                       decoder_start_token_id=tok.bos_id, forced_eos_token_id=None, scale_embedding=a.scale_embedding,
                        share_encoder_decoder_embeddings=True,
                        tie_word_embeddings=True)
     model = MarianMTModel(cfg)
     tc = pick(TrainConfig, values)
     if a.lr is not None:
         tc.lr = a.lr
+    if a.max_steps is not None:
+        tc.max_steps, tc.time_budget = a.max_steps, None
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and native_bf16(torch.device("cpu")))
     groups = param_groups(model, tc.weight_decay)
     opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups],
                             lr=tc.lr, betas=(tc.beta1, tc.beta2))
+    ema = EMA(model, tc.ema) if tc.ema else None
     start, step, warm = time.perf_counter(), 0, None
     model.train()
-    while (elapsed := time.perf_counter() - start) < a.time_budget:
-        progress = 0.0 if warm is None else (elapsed - warm) / max(1e-9, a.time_budget - warm)
+    while (elapsed := time.perf_counter() - start) < (tc.time_budget or math.inf) and step < (tc.max_steps or math.inf):
         for g in opt.param_groups:
-            g["lr"] = lr_at(tc, step, progress)
+            g["lr"] = lr_at(tc, step, progress_of(tc, step, elapsed, warm))
         torch.manual_seed(a.seed * 1_000_003 + step)
         b = task.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -87,6 +98,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(step)
         step += 1
         if warm is None and step >= tc.warmup:
             warm = time.perf_counter() - start
@@ -101,7 +114,13 @@ def main() -> None:
             return self.hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt).logits
 
     sources, targets = task.val
-    val_loss = teacher_forced_loss(Wrapped(model), tok, sources, targets, task.max_len)
+    val_loss_live = teacher_forced_loss(Wrapped(model), tok, sources, targets, task.max_len)
+    val_loss = val_loss_live
+    if ema is not None:  # from here on the average is scored, as tformer eval scores best/
+        unknown = model.load_state_dict(ema.tensors(), strict=False).unexpected_keys
+        if unknown:
+            raise SystemExit(f"error: the weight average names parameters the model lacks: {unknown[:3]}")
+        val_loss = teacher_forced_loss(Wrapped(model), tok, sources, targets, task.max_len)
     hyps = []
     with torch.no_grad():
         for i in range(0, min(a.limit, len(sources)), 64):
@@ -118,7 +137,8 @@ def main() -> None:
     refs = targets[:len(hyps)]
     print(json.dumps({"model": "hf-marian", "steps": step, "num_beams": a.num_beams, "bf16": bf16,
                       "train_seconds": round(time.perf_counter() - start),
-                      "val_loss": val_loss, "perplexity": math.exp(min(val_loss, 50)),
+                      "val_loss": val_loss, "val_loss_live": val_loss_live, "ema": tc.ema,
+                      "scale_embedding": a.scale_embedding, "perplexity": math.exp(min(val_loss, 50)),
                       "bleu": metrics.bleu(hyps, refs), "chrf": metrics.chrf(hyps, refs),
                       "exact_match": metrics.exact_match(hyps, refs), "examples": list(zip(sources[:3], hyps[:3]))}))
 
