@@ -29,6 +29,32 @@ import torch
 import torch.nn.functional as F
 
 
+def marian_peer(task, scale_embedding: bool = True):
+    """A MarianMTModel with the shape of `task`'s model (a TranslateTask), on its tokenizer."""
+    from transformers import MarianConfig, MarianMTModel
+
+    tok, m = task.tokenizer, task.cfg
+    glu = m.activation in ("swiglu", "geglu")
+    d_ff = m.d_ff * 3 // 2 if glu else m.d_ff        # a GLU feed-forward has three matrices, GELU's two
+    return MarianMTModel(MarianConfig(
+        vocab_size=tok.vocab_size, d_model=m.d_model, encoder_layers=m.n_layers, decoder_layers=m.decoder_layers,
+        encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff, max_position_embeddings=m.max_seq_len, dropout=m.dropout,
+        attention_dropout=m.attention_dropout, activation_function="gelu", pad_token_id=tok.pad_id,
+        eos_token_id=tok.eos_id, bos_token_id=tok.bos_id, decoder_start_token_id=tok.bos_id, forced_eos_token_id=None,
+        scale_embedding=scale_embedding, share_encoder_decoder_embeddings=True, tie_word_embeddings=True))
+
+
+def marian_loss(model, batch, label_smoothing: float):
+    """The task's loss (TranslateTask.loss) for the Marian peer: label-smoothed cross-entropy per token."""
+    from tformer.tasks.translate import IGNORE
+
+    logits = model(input_ids=batch["src_ids"], attention_mask=batch["src_mask"],
+                   decoder_input_ids=batch["tgt_ids"]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE,
+                           label_smoothing=label_smoothing)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer-from", default=None, help="a tformer bible run whose tokenizer.json to reuse "
@@ -43,14 +69,12 @@ def main() -> None:
                    help="multiply token embeddings by sqrt(d_model), as the 2017 paper and opus-mt (default: on)")
     a = p.parse_args()
 
-    from transformers import MarianConfig, MarianMTModel
-
     from tformer import metrics
     from tformer.devices import native_bf16
     from tformer.ema import EMA
     from tformer.optim import lr_at, param_groups, progress_of
     from tformer.options import pick
-    from tformer.tasks.translate import IGNORE, TranslateOptions, TranslateTask, teacher_forced_loss
+    from tformer.tasks.translate import TranslateOptions, TranslateTask, teacher_forced_loss
     from tformer.tokenizers import load_tokenizer
     from tformer.train import TrainConfig, resolve_options
 
@@ -60,19 +84,8 @@ def main() -> None:
     torch.manual_seed(a.seed)
     tok = load_tokenizer(a.tokenizer_from) if a.tokenizer_from else None
     task = TranslateTask(pick(TranslateOptions, values), tokenizer=tok)
-    tok, m = task.tokenizer, task.cfg
-    glu = m.activation in ("swiglu", "geglu")
-    d_ff = m.d_ff * 3 // 2 if glu else m.d_ff        # a GLU feed-forward has three matrices, GELU's two
-    cfg = MarianConfig(vocab_size=tok.vocab_size, d_model=m.d_model, encoder_layers=m.n_layers,
-                       decoder_layers=m.decoder_layers, encoder_attention_heads=m.n_heads,
-                       decoder_attention_heads=m.n_heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
-                       max_position_embeddings=m.max_seq_len, dropout=m.dropout,
-                       attention_dropout=m.attention_dropout, activation_function="gelu",
-                       pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
-                       decoder_start_token_id=tok.bos_id, forced_eos_token_id=None, scale_embedding=a.scale_embedding,
-                       share_encoder_decoder_embeddings=True,
-                       tie_word_embeddings=True)
-    model = MarianMTModel(cfg)
+    tok = task.tokenizer
+    model = marian_peer(task, a.scale_embedding)
     tc = pick(TrainConfig, values)
     if a.lr is not None:
         tc.lr = a.lr
@@ -91,9 +104,7 @@ def main() -> None:
         torch.manual_seed(a.seed * 1_000_003 + step)
         b = task.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=b["src_ids"], attention_mask=b["src_mask"], decoder_input_ids=b["tgt_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), ignore_index=IGNORE,
-                               label_smoothing=task.label_smoothing)
+            loss = marian_loss(model, b, task.label_smoothing)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()

@@ -14,7 +14,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def main() -> None:
@@ -24,10 +23,9 @@ def main() -> None:
     p.add_argument("--block-steps", type=int, default=5, help="steps per block (default 5)")
     a = p.parse_args()
 
-    from transformers import MarianConfig, MarianMTModel
-
+    from bible_marian_peer import marian_loss, marian_peer  # this folder is on the path of a script run from it
     from tformer.options import pick
-    from tformer.tasks.translate import IGNORE, TranslateOptions, TranslateTask
+    from tformer.tasks.translate import TranslateOptions, TranslateTask
     from tformer.tokenizers import load_tokenizer
     from tformer.train import resolve_options
 
@@ -35,26 +33,12 @@ def main() -> None:
                                                 "time_budget": 1200, "seed": 0})
     tok = load_tokenizer(a.tokenizer_from) if a.tokenizer_from else None
     task = TranslateTask(pick(TranslateOptions, values), tokenizer=tok)
-    m, tok = task.cfg, task.tokenizer
     torch.manual_seed(0)
     tformer_model = task.build_model()
-    glu = m.activation in ("swiglu", "geglu")
-    d_ff = m.d_ff * 3 // 2 if glu else m.d_ff  # the peer's sizes (bible_marian_peer.py)
-    marian = MarianMTModel(MarianConfig(
-        vocab_size=tok.vocab_size, d_model=m.d_model, encoder_layers=m.n_layers, decoder_layers=m.decoder_layers,
-        encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=d_ff,
-        decoder_ffn_dim=d_ff, max_position_embeddings=m.max_seq_len, dropout=m.dropout,
-        attention_dropout=m.attention_dropout, activation_function="gelu", pad_token_id=tok.pad_id,
-        eos_token_id=tok.eos_id, bos_token_id=tok.bos_id, decoder_start_token_id=tok.bos_id, scale_embedding=True,
-        share_encoder_decoder_embeddings=True, tie_word_embeddings=True))
-
-    def marian_loss(model, b):
-        logits = model(input_ids=b["src_ids"], attention_mask=b["src_mask"], decoder_input_ids=b["tgt_ids"]).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), ignore_index=IGNORE,
-                               label_smoothing=task.label_smoothing)
+    marian = marian_peer(task)
 
     arms = {"tformer eager": (tformer_model, task.loss), "tformer compiled": (tformer_model, torch.compile(task.loss)),
-            "hf marian eager": (marian, marian_loss)}
+            "hf marian eager": (marian, lambda model, b: marian_loss(model, b, task.label_smoothing))}
     for name, (model, _) in arms.items():
         print(f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters")
     opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) for name, (model, _) in arms.items()}
