@@ -31,3 +31,12 @@ tformer eval --model $OUT/numbers --json --num-beams 4
 tformer train --task translate --data bible-en-es --time-budget 1200 --out $OUT/bible
 tformer eval --model $OUT/bible --json --num-beams 4 --limit 500
 python benchmarks/bible_marian_peer.py --time-budget 1200 --num-beams 4 --limit 500
+
+# 4b. The same pair started together, one thread each, where the host's speed drifts over the hour
+#     (both then see the same host; BENCHMARKS.md, 2026-12-04 20:35)
+if [ -n "$SIDE_BY_SIDE" ]; then
+    (OMP_NUM_THREADS=1 tformer train --task translate --data bible-en-es --time-budget 1200 --out $OUT/bible-1t &&
+     OMP_NUM_THREADS=1 tformer eval --model $OUT/bible-1t --json --num-beams 4 --limit 500) &
+    OMP_NUM_THREADS=1 python benchmarks/bible_marian_peer.py --time-budget 1200 --num-beams 4 --limit 500 &
+    wait
+fi
