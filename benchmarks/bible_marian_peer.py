@@ -69,14 +69,14 @@ def main() -> None:
                    help="multiply token embeddings by sqrt(d_model), as the 2017 paper and opus-mt (default: on)")
     a = p.parse_args()
 
-    from tformer import metrics
+    from tformer.data.tokenizers import load_tokenizer
     from tformer.devices import native_bf16
-    from tformer.ema import EMA
-    from tformer.optim import lr_at, param_groups, progress_of
-    from tformer.options import pick
+    from tformer.evaluation import metrics
     from tformer.tasks.translate import TranslateOptions, TranslateTask, teacher_forced_loss
-    from tformer.tokenizers import load_tokenizer
-    from tformer.train import TrainConfig, resolve_options
+    from tformer.training.config import TrainConfig, resolve_options
+    from tformer.training.ema import EMA
+    from tformer.training.optim import lr_at, param_groups, progress_of
+    from tformer.training.options import pick
 
     # What `tformer train --task translate --data bible-en-es --time-budget T --seed S` would use.
     values, _ = resolve_options(TranslateTask, {"task": "translate", "data": "bible-en-es", "out": "unused",

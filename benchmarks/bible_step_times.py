@@ -24,10 +24,10 @@ def main() -> None:
     a = p.parse_args()
 
     from bible_marian_peer import marian_loss, marian_peer  # this folder is on the path of a script run from it
-    from tformer.options import pick
+    from tformer.data.tokenizers import load_tokenizer
     from tformer.tasks.translate import TranslateOptions, TranslateTask
-    from tformer.tokenizers import load_tokenizer
-    from tformer.train import resolve_options
+    from tformer.training.config import resolve_options
+    from tformer.training.options import pick
 
     values, _ = resolve_options(TranslateTask, {"task": "translate", "data": "bible-en-es", "out": "unused",
                                                 "time_budget": 1200, "seed": 0})

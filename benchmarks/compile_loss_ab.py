@@ -20,9 +20,9 @@ import torch
 
 from tformer.cli import build_parser
 from tformer.cli.train import prepare
-from tformer.data import varying_dims
+from tformer.data.files import varying_dims
 from tformer.devices import native_bf16
-from tformer.optim import make_optimizer
+from tformer.training.optim import make_optimizer
 
 
 def main() -> None:

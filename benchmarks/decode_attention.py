@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tformer import gemv
-from tformer.attention import fold_copies, unfold_copies, unfused_attention
+from tformer.kernels import gemv
+from tformer.model.attention import fold_copies, unfold_copies, unfused_attention
 
 CASES = [  # name, rows, heads, keys, beams per source, cache length (None: cross-attention's K, V)
     ("Marian self-attention, 20 keys", 64, 8, 20, 1, 40),

@@ -3,7 +3,7 @@
 Decoding one token multiplies a few rows (batch 1 or 8) by every weight matrix once, so its speed
 is the kernel's read speed. Part 1 times the 48 layer matrices of GPT-2 small (cold: 340 MB in
 fp32, larger than the caches) three ways: F.linear (PyTorch's default: MKL / oneDNN unpacked),
-tformer's split product and its oneDNN-packed weights (tformer.linear). Part 2 times one small
+tformer's split product and its oneDNN-packed weights (tformer.model.linear). Part 2 times one small
 model's matrices per call, which sets where splitting and packing start to pay (SPLIT_MIN,
 PACK_MIN in tformer/linear.py). Run: python benchmarks/gemv_bandwidth.py
 """
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tformer.linear import Packed, Split
+from tformer.model.linear import Packed, Split
 
 GPT2 = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12   # qkv, out, up, down per layer
 

@@ -1,4 +1,4 @@
-"""Does it pay to keep packed weights in 2 MiB pages? tformer's fp32 kernel (tformer.gemv) on GPT-2
+"""Does it pay to keep packed weights in 2 MiB pages? tformer's fp32 kernel (tformer.kernels.gemv) on GPT-2
 small's 49 matrices (the 48 layer matrices and the tied 50,257 x 768 output layer, 0.5 GB), called
 back to back as one decoding step calls them, from weights packed into ordinary 4 KiB pages and from
 the same weights in huge pages (`gemv.pack`), interleaved so that both see the same machine.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tformer import gemv
+from tformer.kernels import gemv
 
 GPT2 = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
 

@@ -34,7 +34,7 @@ import httpx
 
 import tformer
 from tformer import preset
-from tformer.tokenizers import Tokenizer
+from tformer.data.tokenizers import Tokenizer
 
 
 def word_tokenizer(vocab_size: int) -> Tokenizer:

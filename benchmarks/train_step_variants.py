@@ -12,10 +12,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tformer.config import preset
-from tformer.models import Decoder
-from tformer.optim import make_optimizer
-from tformer.train import TrainConfig
+from tformer.model.config import preset
+from tformer.model.models import Decoder
+from tformer.training.config import TrainConfig
+from tformer.training.optim import make_optimizer
 
 
 def main(argv: list[str]) -> None:

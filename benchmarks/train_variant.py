@@ -11,8 +11,8 @@ rest goes to `tformer train` unchanged, and the run's config.json records the sh
 import json
 import sys
 
-from tformer import config
 from tformer.cli import main
+from tformer.model import config
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:

@@ -11,7 +11,7 @@ import torch
 
 import tformer
 from tformer import ModelConfig
-from tformer.tokenizers import Tokenizer
+from tformer.data.tokenizers import Tokenizer
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")

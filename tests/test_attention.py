@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from tformer.attention import MultiHeadAttention, attention, fused_attention, unfused_attention
-from tformer.masks import causal_mask, combine, padding_mask
+from tformer.model.attention import MultiHeadAttention, attention, fused_attention, unfused_attention
+from tformer.model.masks import causal_mask, combine, padding_mask
 
 
 def hand_attention(q, k, v, allowed, bias=None, scale=None):
@@ -239,8 +239,8 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
     left-padded cache, and cross-attention of 4 beams per source; both equal torch.nn on full inputs."""
     import sys
 
-    from tformer.kv_cache import KVCache
-    A = sys.modules["tformer.attention"]                         # (tformer.attention is also the function)
+    from tformer.model.kv_cache import KVCache
+    A = sys.modules["tformer.model.attention"]
     calls = []
     monkeypatch.setattr(A, "unfused_attention", lambda *a, **k: calls.append(1) or unfused_attention(*a, **k))
     torch.manual_seed(3)
@@ -274,8 +274,8 @@ def test_decoding_steps_of_a_batch_take_the_unfused_path_and_equal_torch_nn(monk
 @pytest.mark.parametrize("in_place", [False, True])
 def test_cache_reorder_keeps_the_chosen_rows_step_after_step(monkeypatch, in_place):
     """Copied into the spare buffers (no decoding kernel), or recorded in the lineage (with it)."""
-    from tformer import gemv
-    from tformer.kv_cache import KVCache, follow_lineage
+    from tformer.kernels import gemv
+    from tformer.model.kv_cache import KVCache, follow_lineage
     if in_place and not gemv.available():
         pytest.skip("the decoding kernel is not built here")
     monkeypatch.setattr(gemv, "available", lambda: in_place)

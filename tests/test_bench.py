@@ -39,7 +39,7 @@ def test_bytes_per_token_counts_each_weight_once_without_position_table():
 
 
 def test_bytes_per_token_counts_the_bf16_screen_a_greedy_step_reads():
-    from tformer import gemv
+    from tformer.kernels import gemv
     if not gemv.available():
         pytest.skip("the decoding kernel is not built here")
     model = tformer.Decoder(tformer.preset("tiny", vocab_size=4096, max_seq_len=32)).eval()

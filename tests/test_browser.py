@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tformer import EncoderDecoder, ModelConfig
-from tformer.tokenizers import Tokenizer
-from tformer.trace import attention_maps, prepare
-from tformer.viz import write_attention_html
+from tformer.data.tokenizers import Tokenizer
+from tformer.inspect.trace import attention_maps, prepare
+from tformer.inspect.viz import write_attention_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (run `make system-deps`, "

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import tformer
 from tformer import CheckpointError, Decoder, Encoder, EncoderClassifier, EncoderDecoder, ModelConfig
-from tformer.checkpoint import sha256
+from tformer.checkpoints.format import sha256
 
 
 def tiny(kind, **kw):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tformer import bible, corpora
+from tformer.data import bible, corpora
 from tformer.errors import DataError
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tformer.data import lm_batch, lm_windows, read_table, read_text, split_rows, split_text
+from tformer.data.files import lm_batch, lm_windows, read_table, read_text, split_rows, split_text
 from tformer.errors import DataError
 
 

@@ -8,7 +8,7 @@ import sys
 
 def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "tformer.demo", "--time-budget", "3", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "tformer.cli.demo", "--time-budget", "3", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

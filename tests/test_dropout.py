@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tformer.dropout import Dropout, dropout
+from tformer.model.dropout import Dropout, dropout
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

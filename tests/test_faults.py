@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tformer
-from tformer.checkpoint import read_safetensors, resolve
+from tformer.checkpoints.format import read_safetensors, resolve
 from tformer.cli import main
 
 STEPS = 60
@@ -53,7 +53,7 @@ def steps_on_disk(run: Path) -> list[int]:
 
 def start(argv: list[str]):
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "tformer.cli", "tformer.trainer", "tformer.tasks.lm"])
+    ctx.set_forkserver_preload(["torch", "tformer.cli", "tformer.training.loop", "tformer.tasks.lm"])
     proc = ctx.Process(target=_child, args=(argv,))
     proc.start()
     return proc

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from hf_util import save_hf, transformers
-from tformer import Decoder, ModelConfig, gemv
-from tformer.fused import GPTStep
-from tformer.linear import plan_decoding
+from tformer import Decoder, ModelConfig
+from tformer.inference.fused import GPTStep
+from tformer.kernels import gemv
+from tformer.model.linear import plan_decoding
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"gemv: {gemv.unsupported() or 'not built'}")
 
@@ -50,7 +51,7 @@ def test_fused_int8_step_equals_the_int8_layers(rows):
     """quantize_int8: the fused step runs tformer's int8 kernel (quant.Gemv8) in every layer, with the
     results of the layers run one by one (which take the same kernel), and as close to the fp32 model
     as FBGEMM's int8 products are (later steps may pick other tokens)."""
-    from tformer.quant import Gemv8, quantize_int8
+    from tformer.inference.quant import Gemv8, quantize_int8
     model = gpt(seed=rows)
     ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
     fp32 = steps(model, ids, 6, True)
@@ -113,7 +114,7 @@ def test_stale_plans_fall_back_then_rebuild():
 def test_greedy_tokens_equal_hf_gpt2(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tformer.hf import from_hf
+    from tformer.checkpoints.hf import from_hf
 
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=300, n_positions=64,
                                     bos_token_id=0, eos_token_id=0)).eval()

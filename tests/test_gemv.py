@@ -1,4 +1,4 @@
-"""tformer.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
+"""tformer.kernels.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
 plan takes it where it is built, and it runs on PyTorch's own OpenMP threads."""
 
 import platform
@@ -11,16 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from test_fused import gpt, steps
-from tformer import gemv, linear
-from tformer.linear import Gemv, Linear, plan_decoding
-from tformer.quant import quantize_weight
+from tformer.inference.quant import quantize_weight
+from tformer.kernels import gemv
+from tformer.model import linear
+from tformer.model.linear import Gemv, Linear, plan_decoding
 
 needs_kernel = pytest.mark.skipif(gemv.unsupported() is not None, reason=f"gemv: {gemv.unsupported()}")
 
 
 @needs_kernel
 def test_the_install_built_the_kernel_where_it_can_run():
-    assert gemv.available(), "make builds it (tformer.gemv.main()); run it to see why it failed"
+    assert gemv.available(), "make builds it (tformer.kernels.gemv.main()); run it to see why it failed"
 
 
 @needs_kernel
@@ -68,8 +69,8 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
 
 @needs_kernel
 def test_decoding_with_the_kernel_matches_the_plain_forward(monkeypatch):
-    from tformer.config import ModelConfig
-    from tformer.models import Decoder
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=2, max_seq_len=64)).eval()
     ids = torch.randint(0, 4096, (2, 12))
@@ -86,7 +87,7 @@ def test_decoding_with_the_kernel_matches_the_plain_forward(monkeypatch):
 def test_one_openmp_runtime():
     """The library's libgomp.so.1 is the copy PyTorch loaded: one OpenMP runtime in the process (a
     fresh one: a test that imported CTranslate2 here has loaded that wheel's own libgomp)."""
-    code = ("import torch; from tformer import gemv; w = torch.randn(4096, 512); "
+    code = ("import torch; from tformer.kernels import gemv; w = torch.randn(4096, 512); "
             "gemv.gemv(gemv.pack(w), torch.randn(1, 512), None, 4096); "
             "print(len({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l or 'libiomp' in l}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -190,8 +191,8 @@ def test_large_packed_weights_live_in_huge_pages_until_freed():
 
 
 def _attend_reference(q, k, v, mask, copies):
-    """The formula (tformer.attention.attention) in float64, the beams of a source given its keys."""
-    from tformer.attention import attention
+    """The formula (tformer.model.attention.attention) in float64, the beams of a source given its keys."""
+    from tformer.model.attention import attention
     k, v = (x.double().repeat_interleave(copies, dim=0) for x in (k, v))
     if mask is not None:
         mask = mask.repeat_interleave(q.size(0) // mask.size(0), dim=0)
@@ -236,8 +237,8 @@ def test_attend_gives_zero_where_no_key_may_be_attended_and_declines_what_it_doe
 
 @needs_kernel
 def test_beam_search_with_the_attention_kernel_matches_without(monkeypatch):
-    from tformer.config import ModelConfig
-    from tformer.models import EncoderDecoder
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import EncoderDecoder
     torch.manual_seed(0)
     cfg = ModelConfig(kind="encoder-decoder", vocab_size=500, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -261,8 +262,8 @@ def test_beam_search_with_the_attention_kernel_matches_without(monkeypatch):
 def test_a_reordered_cache_reads_as_the_copied_one():
     """KVCache.reorder only rewrites the lineage; following it (the kernel, follow_lineage, settle)
     gives what copying the rows into beam order at each step gives."""
-    from tformer.attention import attention
-    from tformer.kv_cache import KVCache, follow_lineage
+    from tformer.model.attention import attention
+    from tformer.model.kv_cache import KVCache, follow_lineage
     torch.manual_seed(0)
     B, H, hd, g = 6, 2, 16, torch.Generator().manual_seed(1)
     cache = KVCache(B, H, 12, hd)
@@ -333,8 +334,8 @@ def test_the_screened_argmax_is_the_argmax_of_the_whole_output(rows):
 
 @needs_kernel
 def test_greedy_decoding_through_the_screen_matches_the_logits(monkeypatch):
-    from tformer.config import ModelConfig
-    from tformer.models import Decoder
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
     torch.manual_seed(0)
     model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=2, max_seq_len=64)).eval()
     ids = torch.randint(0, 4096, (3, 12))

@@ -13,6 +13,7 @@ import tformer
 from hf_util import save_hf, transformers
 from tformer import Decoder, EncoderDecoder, ModelConfig
 from tformer.cli import main
+from tformer.data.tokenizers import Tokenizer
 from tformer.generation import (
     TextStream,
     apply_repetition_penalty,
@@ -26,7 +27,6 @@ from tformer.generation import (
     windowed,
 )
 from tformer.generation.beam import top_k_indices
-from tformer.tokenizers import Tokenizer
 
 lp = pytest.importorskip("transformers.generation.logits_process")
 

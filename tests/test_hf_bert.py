@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import tformer
 from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
+from tformer.checkpoints.hf import load_hf_tokenizer
 from tformer.errors import CheckpointError, ConfigError
-from tformer.hf import load_hf_tokenizer
 
 BERT = [
     dict(vocab_size=61, hidden_size=24, num_attention_heads=3, num_hidden_layers=2, intermediate_size=40,
@@ -49,7 +49,7 @@ def test_to_hf_round_trips_and_loads_in_transformers(pair, tmp_path):
 def test_task_heads_are_refused_by_name(tmp_path):
     """The pooler and pre-training heads are declared as dropped (and reported); a fine-tuned
     classifier is not part of Encoder either, and is refused."""
-    from tformer.hf import convert_hf
+    from tformer.checkpoints.hf import convert_hf
 
     save_hf(transformers.BertModel(transformers.BertConfig(**BERT[0])), tmp_path / "plain")
     _, dropped = convert_hf(tmp_path / "plain")

@@ -113,7 +113,7 @@ def test_cli_errors_are_one_line_and_leave_files_alone(gpt2_dir, tmp_path, capsy
     ("llama", "LlamaConfig")])
 def test_defaults_for_omitted_keys_match_transformers(family, config_cls):
     """Older config.json files omit values equal to the default: tformer must assume the same ones."""
-    from tformer.hf import FAMILIES, seq2seq
+    from tformer.checkpoints.hf import FAMILIES, seq2seq
 
     fam = FAMILIES[family]
     defaults = {**(seq2seq.COMMON_DEFAULTS if family in ("marian", "bart") else {}), **fam.DEFAULTS}

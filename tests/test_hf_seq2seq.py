@@ -94,7 +94,7 @@ def test_marian_position_table_is_checked(tmp_path):
     """A stored table that is not the formula would be silently replaced: refused instead."""
     from safetensors.torch import load_file, save_file
 
-    from tformer.positional import sinusoidal_table
+    from tformer.model.positional import sinusoidal_table
 
     save_hf(transformers.MarianMTModel(transformers.MarianConfig(**MARIAN[0])), tmp_path)
     state = load_file(tmp_path / "model.safetensors")

@@ -13,7 +13,7 @@ import torch
 import tformer
 from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
 from tformer.errors import ConfigError
-from tformer.positional import RelativePositionBias, relative_bucket
+from tformer.model.positional import RelativePositionBias, relative_bucket
 
 V10 = dict(vocab_size=53, d_model=20, d_kv=7, d_ff=36, num_layers=2, num_decoder_layers=3, num_heads=3,
            feed_forward_proj="relu", relative_attention_num_buckets=8, relative_attention_max_distance=12)

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.config import ModelConfig
-from tformer.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
-from tformer.masks import causal_mask, combine, padding_mask
-from tformer.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions, sinusoidal_table
+from tformer.model.config import ModelConfig
+from tformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from tformer.model.masks import causal_mask, combine, padding_mask
+from tformer.model.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions, sinusoidal_table
 
 D, H, FF = 16, 4, 32
 

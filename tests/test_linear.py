@@ -1,4 +1,4 @@
-"""tformer.linear: Linear is nn.Linear; its decoding plans (packed oneDNN weights, split products)
+"""tformer.model.linear: Linear is nn.Linear; its decoding plans (packed oneDNN weights, split products)
 give F.linear's result, are used only where they apply, and never outlive the weights they were made for."""
 
 import copy
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer import linear
-from tformer.linear import Linear, Packed, Split, plan_decoding
+from tformer.model import linear
+from tformer.model.linear import Linear, Packed, Split, plan_decoding
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 
@@ -101,8 +101,8 @@ def test_split_plan_for_mid_sized_fp32_packed_or_none_otherwise(monkeypatch, two
 
 @needs_mkldnn
 def test_no_packing_when_memory_is_short(monkeypatch, two_threads):
-    from tformer.config import ModelConfig
-    from tformer.models import Decoder
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
     model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=1, max_seq_len=32))
     out_layer = 4096 * 256 * 4                                    # the one matrix that would be packed (bytes)
     monkeypatch.setattr(linear, "available_memory", lambda: 2 * out_layer - 1)
@@ -174,8 +174,8 @@ def test_planned_layers_deepcopy_and_replan_only_when_needed():
 
 @needs_mkldnn
 def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads):
-    from tformer.config import ModelConfig
-    from tformer.models import Decoder
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=2, max_seq_len=64, dropout=0.0)
     model = Decoder(cfg).eval()

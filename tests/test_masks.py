@@ -2,7 +2,7 @@
 
 import torch
 
-from tformer.masks import causal_mask, combine, padding_mask
+from tformer.model.masks import causal_mask, combine, padding_mask
 
 
 def test_causal_mask_is_lower_triangular():

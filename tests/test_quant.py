@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import tformer
-from tformer import gemv, quant
-from tformer.quant import Gemv8, Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
+from tformer.inference import quant
+from tformer.inference.quant import Gemv8, Int8Linear, dynamic_int8_available, quantize_int8, quantize_weight
+from tformer.kernels import gemv
 
 needs_fbgemm = pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM in this PyTorch build")
 
@@ -167,7 +168,7 @@ def test_many_rows_are_not_rounded_to_integers(activations):
     the weight-only bound holds. Int8 mode on a CPU with bf16 units: x and the sum are rounded to
     bf16 (u = 2^-8 each), so the bound gains 2u·Σ_k |x_k| s_n |q_nk| (elsewhere: the weight-only one)."""
     from tformer.devices import native_bf16
-    from tformer.quant import INT8_MAX_ROWS
+    from tformer.inference.quant import INT8_MAX_ROWS
     torch.manual_seed(7)
     linear = nn.Linear(64, 48)
     x = torch.randn(INT8_MAX_ROWS + 1, 64) * torch.logspace(-1, 1, 64)

@@ -85,7 +85,7 @@ def mt(ws) -> Path:
 def broken(ws, lm) -> Path:
     """Damaged copies of the LM checkpoint, a Hugging Face directory and its damaged copies."""
     b = ws / "broken"
-    ckpt = tformer.checkpoint.resolve(lm)
+    ckpt = tformer.checkpoints.format.resolve(lm)
     for name in ("corrupt_config", "truncated", "no_tokenizer_file", "no_checksums"):
         shutil.copytree(ckpt, b / name)
     config = json.loads((b / "no_checksums/config.json").read_text())
@@ -368,7 +368,7 @@ def test_environment_errors_are_user_errors(monkeypatch, capsys, error, key):
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
 def test_one_altered_byte_is_refused_naming_the_file(ws, lm, name, capsys, tmp_path):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tformer.checkpoint.resolve(lm), ckpt)
+    shutil.copytree(tformer.checkpoints.format.resolve(lm), ckpt)
     path = ckpt / name
     data = bytearray(path.read_bytes())
     data[len(data) * 2 // 3] ^= 0x01  # one bit of one byte, deep inside the file (not its header)
@@ -385,7 +385,7 @@ def test_one_altered_byte_is_refused_naming_the_file(ws, lm, name, capsys, tmp_p
 def test_resume_refuses_an_altered_checkpoint(ws, lm, capsys, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(lm, run)
-    weights = tformer.checkpoint.resolve(run) / "model.safetensors"
+    weights = tformer.checkpoints.format.resolve(run) / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0x80
     weights.write_bytes(bytes(data))
@@ -417,7 +417,7 @@ def test_models_refuse_inputs_beyond_the_context_or_of_the_wrong_type(kind):
 
 def test_checkpoint_file_list_cannot_point_outside_the_checkpoint(tmp_path, lm):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tformer.checkpoint.resolve(lm), ckpt)
+    shutil.copytree(tformer.checkpoints.format.resolve(lm), ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config["files"]["../../etc/passwd"] = "0" * 64
     (ckpt / "config.json").write_text(json.dumps(config))

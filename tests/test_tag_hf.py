@@ -8,7 +8,7 @@ import torch
 
 import tformer
 from hf_util import assert_close_real, batch, save_hf, state_equal, transformers
-from tformer.heads import EncoderTokenClassifier
+from tformer.model.heads import EncoderTokenClassifier
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 CONFIG = dict(vocab_size=57, hidden_size=24, num_attention_heads=3, num_hidden_layers=2, intermediate_size=40,

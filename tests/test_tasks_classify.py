@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tformer.cli import main
-from tformer.data import split_rows
+from tformer.data.files import split_rows
 
 FILLER = "the a film movie story plot actor scene was is it this that and very quite rather".split()
 
@@ -147,7 +147,7 @@ def test_keep_best_is_the_default_and_eval_rescores_the_best_model(tmp_path, cap
 def test_wordpiece_tokenizer_is_uncased_and_a_file_is_used_as_is(tmp_path, capsys):
     from tokenizers import Tokenizer as HFTokenizer
 
-    from tformer.tokenizers import make_tokenizer
+    from tformer.data.tokenizers import make_tokenizer
 
     texts = [t for t, _ in easy_rows(200)] + ["A great, GREAT film!"]
     wp = make_tokenizer("wordpiece", texts, 200)
@@ -169,7 +169,7 @@ def test_wordpiece_tokenizer_is_uncased_and_a_file_is_used_as_is(tmp_path, capsy
 def test_freeze_embeddings_keeps_the_pretrained_tables_and_trains_the_rest(trained, tmp_path):
     """--init RUN --freeze-embeddings: the embedding tables come out bit-identical, every other
     weight moves, and the run records the setting."""
-    from tformer.checkpoint import load
+    from tformer.checkpoints.format import load
 
     root, run = trained
     out = tmp_path / "ft"

@@ -3,7 +3,7 @@
 import pytest
 import sacrebleu
 
-from tformer import metrics
+from tformer.evaluation import metrics
 
 
 def test_classification_metrics_by_hand():

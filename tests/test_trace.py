@@ -10,12 +10,12 @@ from torch import nn
 
 import tformer
 from tformer import Decoder, Encoder, EncoderClassifier, EncoderDecoder, ModelConfig
-from tformer.attention import MultiHeadAttention, attention
 from tformer.cli import main
 from tformer.cli.attention import output_paths
+from tformer.data.tokenizers import Tokenizer
 from tformer.errors import ConfigError, DataError
-from tformer.tokenizers import Tokenizer
-from tformer.trace import attention_maps, prepare, trace
+from tformer.inspect.trace import attention_maps, prepare, trace
+from tformer.model.attention import MultiHeadAttention, attention
 
 TEXT = "the cat sat on the mat"
 TOK = Tokenizer.char(TEXT + " lechatsurbo")

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 import tformer
 from tformer.cli import build_parser, main
-from tformer.optim import lr_at, make_optimizer, param_groups, progress_of
-from tformer.train import TrainConfig
-from tformer.trainer import fit
+from tformer.training.config import TrainConfig
+from tformer.training.loop import fit
+from tformer.training.optim import lr_at, make_optimizer, param_groups, progress_of
 
 TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
         "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n") * 30
@@ -129,7 +129,7 @@ def test_checkpoints_are_complete_and_pruned(data, tmp_path):
 def test_keep_best_saves_the_lowest_val_loss_and_resume_uses_the_newest(data, tmp_path):
     """--keep-best: RUN/best/ holds the model of the evaluation with the lowest val_loss (the first
     of ties); load(RUN) takes it, while --resume continues from the newest step checkpoint."""
-    from tformer.rundir import read_trainer_state
+    from tformer.training.rundir import read_trainer_state
 
     run = tmp_path / "r"
     flags = ["--data", data, *SMALL, "--max-steps", "8", "--lr", "3e-2", "--eval-every", "1", "--keep-best"]
@@ -195,7 +195,7 @@ def test_sigkill_never_leaves_an_unreadable_latest_checkpoint(data, tmp_path):
         _wait_for(_has_checkpoint(run))
         for delay in (0.0, 0.13, 0.29):          # land at different points of the write/rename/prune cycle
             time.sleep(delay)
-            state = json.loads((tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())
+            state = json.loads((tformer.checkpoints.format.resolve(run) / "trainer_state.json").read_text())
             assert state["step"] >= 1
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -203,7 +203,7 @@ def test_sigkill_never_leaves_an_unreadable_latest_checkpoint(data, tmp_path):
     model = tformer.load(run)                       # checksums verified
     assert isinstance(model, tformer.Decoder)
     resumed = train(["--resume", str(run), "--max-steps", str(json.loads(
-        (tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())["step"] + 1)])
+        (tformer.checkpoints.format.resolve(run) / "trainer_state.json").read_text())["step"] + 1)])
     assert resumed.reason == "max_steps"
 
 
@@ -216,7 +216,7 @@ def test_ctrl_c_saves_and_exits_cleanly(data, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "--resume" in err
-    step = json.loads((tformer.checkpoint.resolve(run) / "trainer_state.json").read_text())["step"]
+    step = json.loads((tformer.checkpoints.format.resolve(run) / "trainer_state.json").read_text())["step"]
     assert step >= 1 and isinstance(tformer.load(run), tformer.Decoder)
 
 
@@ -231,7 +231,7 @@ def test_torchrun_two_processes_match_one(sharding, data, tmp_path):
     w1, w2 = weights(one.run_dir), weights(str(tmp_path / "two"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=1e-5)
-    state = json.loads((tformer.checkpoint.resolve(tmp_path / "two") / "trainer_state.json").read_text())
+    state = json.loads((tformer.checkpoints.format.resolve(tmp_path / "two") / "trainer_state.json").read_text())
     assert state["world_size"] == 2
 
 
@@ -294,9 +294,9 @@ def test_each_option_is_defined_once_and_its_flag_derived():
     """The flags of `tformer train` are the option fields; the --resume rules are read from them."""
     from dataclasses import fields
 
-    from tformer.options import CHANGE, ONCE, resume_rule
     from tformer.tasks.classify import ClassifyOptions
-    from tformer.train import TrainOptions
+    from tformer.training.config import TrainOptions
+    from tformer.training.options import CHANGE, ONCE, resume_rule
 
     assert resume_rule(TrainOptions, ONCE) == {"stop_at", "progress", "device"}
     assert resume_rule(TrainOptions, CHANGE) == {"max_steps", "time_budget", "save_every", "eval_every",
@@ -334,7 +334,7 @@ def test_the_translate_recipe_differs_per_data_set_and_its_bible_preset_builds()
     a flag still wins, and the Bible's preset is a valid encoder-decoder."""
     from tformer import PRESETS, EncoderDecoder, ModelConfig
     from tformer.tasks.translate import TranslateTask
-    from tformer.train import resolve_options
+    from tformer.training.config import resolve_options
 
     bible, chosen = resolve_options(TranslateTask, {"data": "bible-en-es", "out": "x"})
     numbers, _ = resolve_options(TranslateTask, {"data": "numbers-fr-en", "out": "x"})
@@ -351,7 +351,7 @@ def test_the_translate_recipe_differs_per_data_set_and_its_bible_preset_builds()
 def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch):
     """--precision auto (the default) = bf16 autocast on hardware with bf16 units, fp32 elsewhere."""
     from tformer import devices
-    from tformer.train import TrainConfig
+    from tformer.training.config import TrainConfig
 
     assert TrainConfig(out="unused").precision == "auto"
     cpu = torch.device("cpu")
@@ -362,7 +362,7 @@ def test_precision_auto_uses_bf16_only_where_the_device_computes_it(monkeypatch)
 
 
 def test_compile_without_a_compiler_trains_uncompiled_and_says_so(data, tmp_path, monkeypatch, capsys):
-    from tformer import trainer
+    from tformer.training import loop as trainer
     monkeypatch.setattr(trainer, "cxx_compiler", lambda: None)
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda m, *a, **k: compiled.append(m) or m)
@@ -406,15 +406,18 @@ def test_compiled_training_matches_eager(tmp_path):
     losses = [[r["train_loss"] for r in run.records if "train_loss" in r] for run in runs]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-4)
     weights = [load_file(Path(run.checkpoint) / "model.safetensors") for run in runs]
-    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-4) for k in weights[0])
+    # Adam moves a weight by up to lr (1e-2) a step whatever its gradient's size, so a near-zero gradient that
+    # rounds differently in the compiled kernels can move one weight by ~1e-4 (seen on an AVX-512 Zen 4);
+    # a wrong gradient moves many by ~lr. A tenth of one step tells the two apart.
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-3) for k in weights[0])
 
 
 def test_compiled_encoder_decoder_has_no_graph_breaks():
     """With the target length dynamic (translation's padded batches) the whole encoder-decoder traces as
     one graph: no Python decision on a symbolic length (a graph break at every attention layer made the
     Bible's cold compile 1.5x longer)."""
-    from tformer.config import PRESETS, ModelConfig
-    from tformer.models import EncoderDecoder
+    from tformer.model.config import PRESETS, ModelConfig
+    from tformer.model.models import EncoderDecoder
 
     cfg = ModelConfig(**{**PRESETS["nmt-mini"], "d_model": 32, "d_ff": 64, "n_layers": 1, "n_decoder_layers": 1,
                          "vocab_size": 50, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import tformer
 from tformer import Decoder, EncoderDecoder, ModelConfig
 from tformer.cli import main
-from tformer.data import read_text
+from tformer.data.files import read_text
+from tformer.data.tokenizers import Tokenizer
 from tformer.errors import DataError
 from tformer.generation import stream_text
-from tformer.tokenizers import Tokenizer
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
 # Strings that stress specific scripts, mixed into the random ones.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tformer.errors import DataError, TformerError
-from tformer.viz import (
+from tformer.inspect.viz import (
     AttentionMap,
     grid_shape,
     layout,

@@ -1,6 +1,6 @@
 """tformer: the Transformer family — attention, encoder, decoder, encoder-decoder — readable and fast.
 
-The public names are loaded on first use (PEP 562), so `import tformer.config` loads the model
+The public names are loaded on first use (PEP 562), so `import tformer.model.config` loads the model
 core at most, not checkpoints, Hugging Face conversion or the generation package with it.
 """
 
@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import importlib
 
-# Loaded now, not lazily: the submodule `tformer.attention` shares its name with the function, and
-# this import is what makes `tformer.attention` the function (as it always was). It is model core,
-# and loads the KV cache's module with it.
-from .attention import MultiHeadAttention, attention
-from .kv_cache import Cache, KVCache
+# Loaded now, not lazily: `tformer.attention` is the function (the formula) and MultiHeadAttention the
+# module; both are model core, and load the KV cache's module with them.
+from .model.attention import MultiHeadAttention, attention
+from .model.kv_cache import Cache, KVCache
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "ModelConfig": "config", "PRESETS": "config", "preset": "config",
-    "Encoder": "models", "Decoder": "models", "EncoderDecoder": "models",
-    "EncoderClassifier": "heads", "EncoderTokenClassifier": "heads",
-    "save": "checkpoint", "load": "checkpoint",
-    "from_hf": "hf", "to_hf": "hf",  # need only torch + safetensors; transformers is never imported
+    "ModelConfig": "model.config", "PRESETS": "model.config", "preset": "model.config",
+    "Encoder": "model.models", "Decoder": "model.models", "EncoderDecoder": "model.models",
+    "EncoderClassifier": "model.heads", "EncoderTokenClassifier": "model.heads",
+    "save": "checkpoints.format", "load": "checkpoints.format",
+    "from_hf": "checkpoints.hf", "to_hf": "checkpoints.hf",  # torch + safetensors; never imports transformers
     "TformerError": "errors", "ConfigError": "errors", "CheckpointError": "errors", "DataError": "errors",
 }
 

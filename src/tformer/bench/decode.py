@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..positional import LearnedPositions
+from ..model.positional import LearnedPositions
 from .common import ReadProbe, from_hf_model, hf_gpt2, interleaved_times, sync, weight_bytes
 
 GPT2 = dict(n_layers=12, d_model=768, n_heads=12, vocab=50257, n_positions=1024)
@@ -148,7 +148,7 @@ def run(device: str, quick: bool, ceilings: dict) -> list[dict]:
 
 def _int8_case(ours, hf_bf16, new, device, repeats, name, ceilings, probe) -> dict:
     """tformer with int8 weights (bf16 activations) vs HF with bf16 weights: fewer bytes per token."""
-    from ..quant import quantize_int8
+    from ..inference.quant import quantize_int8
 
     quantize_int8(ours)
     row = _decode_case(ours, hf_bf16, 1, 32, new, device, repeats, f"{name} b1 int8 vs HF bf16 p32+{new}", ceilings,

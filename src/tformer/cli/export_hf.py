@@ -36,8 +36,8 @@ class _CopyFile:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import TOKENIZER, load, resolve
-    from tformer.hf import hf_family, to_hf
+    from tformer.checkpoints.format import TOKENIZER, load, resolve
+    from tformer.checkpoints.hf import hf_family, to_hf
 
     src, dst = Path(args.src), Path(args.dst)
     check_destination(src, dst, args.force)

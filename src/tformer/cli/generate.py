@@ -57,10 +57,10 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from tformer.checkpoint import load
+    from tformer.checkpoints.format import load
+    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
     from tformer.errors import TformerError
     from tformer.generation import eos_ids, generate, prompt_ids, stream_text
-    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
 
     prompt = args.prompt
     if prompt == "-":
@@ -90,7 +90,7 @@ def run(args) -> int:
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
                    eos_token_id=eos_ids(model, tokenizer=tokenizer))
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-    from tformer.limits import check_generation
+    from tformer.inference.limits import check_generation
     check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(reader.encode(prompt)) + max_new))
     # Build the generator (which checks every argument) before printing anything.
     if args.num_beams > 1:

@@ -23,8 +23,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import save
-    from tformer.hf import convert_hf, load_hf_tokenizer, read_hf_config
+    from tformer.checkpoints.format import save
+    from tformer.checkpoints.hf import convert_hf, load_hf_tokenizer, read_hf_config
 
     src, dst = Path(args.src), Path(args.dst)
     check_destination(src, dst, args.force)

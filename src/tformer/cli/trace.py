@@ -32,10 +32,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoint import load
+    from tformer.checkpoints.format import load
+    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
     from tformer.errors import ConfigError
-    from tformer.tokenizers import load_source_tokenizer, load_tokenizer
-    from tformer.trace import prepare, trace
+    from tformer.inspect.trace import prepare, trace
 
     if args.numbers < 1:
         raise ConfigError(f"--numbers {args.numbers} must be at least 1")

@@ -20,11 +20,11 @@ import time
 
 from tformer.cli import COMMANDS
 from tformer.errors import ConfigError
-from tformer.options import CHANGE, ONCE, add_flags, pick, resume_rule
+from tformer.training.options import CHANGE, ONCE, add_flags, pick, resume_rule
 
 
 def register(sub) -> None:
-    from tformer.train import TASKS, TrainConfig, TrainOptions, task_class
+    from tformer.training.config import TASKS, TrainConfig, TrainOptions, task_class
 
     p = sub.add_parser("train", help=COMMANDS["train"], description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +37,7 @@ def register(sub) -> None:
             continue  # a task that is not installed adds no flags; choosing it reports why
         add_flags(_Shared(p, p, name).add_argument_group(options.title), options, skip=TrainOptions)
     # Every option flag defaults to None, "not given": `prepare` fills it from the task's recipe for
-    # the data and time budget, else from the option field's default (tformer.train.resolve_options).
+    # the data and time budget, else from the option field's default (tformer.training.config.resolve_options).
     p.set_defaults(func=run, _parser=p, **{dest: None for dest in _option_dests(p)})
 
 
@@ -79,9 +79,9 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
     """The effective arguments: on --resume, the saved run's, updated with the flags given now."""
     if not args.resume:
         return args, None
-    from tformer.rundir import read_trainer_state
-    from tformer.runs import run_dir_of
-    from tformer.train import TrainOptions
+    from tformer.checkpoints.layout import run_dir_of
+    from tformer.training.config import TrainOptions
+    from tformer.training.rundir import read_trainer_state
 
     ckpt, state = read_trainer_state(args.resume)
     given = explicit_args(args, args._parser) - {"resume", "out"}
@@ -100,7 +100,7 @@ def settings(args) -> tuple[argparse.Namespace, str | None]:
 def prepare(args):
     """(task, TrainConfig, resume checkpoint or None, arguments to save, what the task's recipe chose)
     from parsed `train` flags."""
-    from tformer.train import TrainConfig, resolve_options, task_class
+    from tformer.training.config import TrainConfig, resolve_options, task_class
 
     args, resume = settings(args)
     if args.max_steps is None and args.time_budget is None:
@@ -114,21 +114,21 @@ def prepare(args):
     cfg.check()
     tokenizers = {}
     if resume:
-        from tformer.tokenizers import load_source_tokenizer, load_tokenizer
+        from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
         tokenizers["tokenizer"] = load_tokenizer(resume)
         source = load_source_tokenizer(resume)
         if source is not None:  # only a translator with separate vocabularies has one
             tokenizers["source_tokenizer"] = source
     task = cls(pick(cls.Options, values), **tokenizers, init=None if resume else values.get("init"))
-    from tformer.limits import check_task
+    from tformer.inference.limits import check_task
     check_task(task, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
     saved = {k: v for k, v in values.items() if k in given}
     return task, cfg, resume, saved, ({} if resume else chosen)
 
 
 def run(args) -> int:
-    from tformer.train import describe_recipe
-    from tformer.trainer import fit
+    from tformer.training.config import describe_recipe
+    from tformer.training.loop import fit
 
     task, cfg, resume, saved, chosen = prepare(args)
     if chosen and os.environ.get("RANK", "0") == "0":
@@ -137,7 +137,7 @@ def run(args) -> int:
     result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
         return 0
-    from tformer.runs import METRICS, PLOT
+    from tformer.checkpoints.layout import METRICS, PLOT
 
     best = result.best_val_loss
     print(f"{result.reason}: step {result.step}, {result.elapsed:.0f} s"
@@ -150,6 +150,6 @@ def run(args) -> int:
     print(f"metrics:    {result.run_dir}/{METRICS}   plot: {result.run_dir}/{PLOT}")
     report = getattr(task, "report", None)  # a task's final held-out summary (classify: confusion matrix)
     if report is not None and result.reason != "interrupted":
-        from tformer.checkpoint import load
+        from tformer.checkpoints.format import load
         print(report(load(result.best_checkpoint or result.checkpoint), result.run_dir))
     return 130 if result.reason == "interrupted" else 0

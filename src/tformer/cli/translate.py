@@ -26,10 +26,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from tformer.data.tokenizers import load_source_tokenizer
     from tformer.errors import ConfigError
     from tformer.tasks.common import warn
     from tformer.tasks.translate import encode_pairs, translate
-    from tformer.tokenizers import load_source_tokenizer
 
     if args.num_beams < 1 or args.batch_size < 1:
         raise ConfigError("--num-beams and --batch-size must be at least 1")
@@ -40,7 +40,7 @@ def run(args) -> int:
     cut = sum(len(s) > max_len for s in src)
     if cut:
         warn(f"{cut} input(s) longer than the model's {max_len} tokens were truncated")
-    from tformer.limits import check_generation
+    from tformer.inference.limits import check_generation
     check_generation(model.cfg, min(args.batch_size, len(texts)) * args.num_beams, max_len,
                      fix="lower --num-beams or --batch-size")
     for line in translate(model, tokenizer, texts, args.num_beams, max_len, args.batch_size, source_tokenizer):

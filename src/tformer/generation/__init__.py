@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from .decoding import generate, stream
 from .processors import (
-                         apply_repetition_penalty,
-                         apply_temperature,
-                         greedy,
-                         min_p_filter,
-                         process_logits,
-                         sample,
-                         top_k_filter,
-                         top_p_filter,
+    apply_repetition_penalty,
+    apply_temperature,
+    greedy,
+    min_p_filter,
+    process_logits,
+    sample,
+    top_k_filter,
+    top_p_filter,
 )
 from .settings import eos_ids
 from .stopping import TextStream, sequence_hits

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..linear import Linear
+from ..model.linear import Linear
 from .processors import greedy
 
 

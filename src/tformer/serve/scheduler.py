@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..generation import TextStream, greedy, process_logits, sample
-from ..linear import plan_decoding
+from ..model.linear import plan_decoding
 from .pool import SlotPool
 
 

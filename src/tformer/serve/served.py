@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load, read_config, resolve
+from ..checkpoints.format import load, read_config, resolve
+from ..data.tokenizers import load_source_tokenizer, load_tokenizer
 from ..errors import ConfigError
 from ..generation.settings import eos_ids
-from ..pooling import POOLINGS
+from ..model.pooling import POOLINGS
 from ..tasks.classify import encode_texts, predict_proba
 from ..tasks.common import length_batches, pad
-from ..tokenizers import load_source_tokenizer, load_tokenizer
 from .chat import ChatTemplate, find_chat_template
 
 ENCODER_BATCH = 32          # texts per forward pass of an encoder

@@ -1,1 +1,1 @@
-"""Tasks for the training loop (see tformer.train.Task): lm, classify, translate."""
+"""Tasks for the training loop (see tformer.training.config.Task): lm, classify, translate."""

@@ -1,6 +1,6 @@
 """Text classification with an EncoderClassifier (the BERT recipe of the seeds: the first token's
 vector -> dropout -> linear -> softmax), on the built-in rotten-tomatoes sentiment data or a user's
-CSV / TSV / JSONL file. Implements the tformer.train.Task protocol.
+CSV / TSV / JSONL file. Implements the tformer.training.config.Task protocol.
 
 Every text becomes  [bos] tokens… [eos]  (for a BERT tokenizer bos/eos are [CLS]/[SEP]), cut to
 --max-len tokens. The held-out split is a seeded random fraction of the rows; `meta()` records how
@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import corpora, metrics
-from ..data import split_rows, step_generator
+from ..data import corpora
+from ..data.files import split_rows, step_generator
+from ..data.tokenizers import make_tokenizer
 from ..errors import ConfigError, DataError
-from ..heads import EncoderClassifier
-from ..options import below_one, option, positive_int
-from ..tokenizers import make_tokenizer
-from ..train import TrainOptions
+from ..evaluation import metrics
+from ..model.heads import EncoderClassifier
+from ..training.config import TrainOptions
+from ..training.options import below_one, option, positive_int
 from .common import (
     arg,
     dropout_overrides,
@@ -264,7 +265,7 @@ def write_confusion_png(matrix, labels, out_dir) -> None:
     from pathlib import Path
 
     try:
-        from ..viz import plot_confusion
+        from ..inspect.viz import plot_confusion
     except ImportError:
         return
     plot_confusion(matrix, labels, Path(out_dir) / "confusion.png")

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import PRESETS, ModelConfig
 from ..errors import CheckpointError, ConfigError
+from ..model.config import PRESETS, ModelConfig
 
 
 def arg(opts, name: str, default: Any = None) -> Any:
@@ -66,7 +66,7 @@ def dropout_overrides(opts) -> dict[str, float]:
 def is_tformer_checkpoint(path: Path) -> bool:
     import json
 
-    from ..runs import CONFIG, resolve
+    from ..checkpoints.layout import CONFIG, resolve
 
     try:
         config = json.loads((resolve(path) / CONFIG).read_text())
@@ -79,8 +79,8 @@ def load_pretrained_encoder(init: str):
     """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder, or a classifier or tagger, whose
     encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
     is the one saved with it: a pretrained encoder only understands its own token ids."""
-    from ..checkpoint import load
-    from ..tokenizers import Tokenizer, load_tokenizer
+    from ..checkpoints.format import load
+    from ..data.tokenizers import Tokenizer, load_tokenizer
 
     path = Path(init)
     if not path.exists():
@@ -92,7 +92,7 @@ def load_pretrained_encoder(init: str):
         if not (path / "config.json").is_file():
             raise CheckpointError(f"--init {init}: not a tformer checkpoint nor a Hugging Face directory "
                                   "(no config.json)")
-        from ..hf import from_hf
+        from ..checkpoints.hf import from_hf
 
         model = from_hf(path)
         if not (path / "tokenizer.json").is_file():

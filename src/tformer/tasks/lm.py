@@ -1,5 +1,5 @@
 """Language modelling: a decoder learns to predict the next token of a text (the reference Task;
-see tformer.train for the protocol).
+see tformer.training.config for the protocol).
 
 Data: the built-in `hamlet` or a UTF-8 text file; the first 90% trains, the last 10% validates.
 Validation loss is the mean cross-entropy over the WHOLE validation split, cut into consecutive,
@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import PRESETS, preset
-from ..data import lm_batch, lm_windows, read_text, split_text
+from ..data.files import lm_batch, lm_windows, read_text, split_text
+from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError
-from ..options import option
-from ..tokenizers import Tokenizer, make_tokenizer
-from ..train import TrainOptions
+from ..model.config import PRESETS, preset
+from ..training.config import TrainOptions
+from ..training.options import option
 from .common import dropout_overrides
 
 SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
@@ -62,7 +62,7 @@ class LMTask:
         text = read_text(opts.data, errors=opts.errors)
         self.train_text, self.val_text = split_text(text, opts.val_fraction)
         if tokenizer is None and init is not None:
-            from ..tokenizers import load_tokenizer
+            from ..data.tokenizers import load_tokenizer
             tokenizer = load_tokenizer(init)
         if tokenizer is None:
             tokenizer = make_tokenizer(opts.tokenizer, [self.train_text], opts.vocab_size)
@@ -82,8 +82,8 @@ class LMTask:
 
     def _config(self):
         if self.init is not None:
-            from ..checkpoint import read_config
-            from ..config import ModelConfig
+            from ..checkpoints.format import read_config
+            from ..model.config import ModelConfig
 
             data = read_config(self.init)
             if data["architecture"] != "Decoder":
@@ -104,11 +104,11 @@ class LMTask:
 
     # --- the protocol ------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        from ..models import Decoder
+        from ..model.models import Decoder
 
         model = Decoder(self.cfg)
         if self.init is not None:
-            from ..checkpoint import load
+            from ..checkpoints.format import load
 
             model.load_state_dict(load(self.init).state_dict())
         return model

@@ -1,6 +1,6 @@
 """Token tagging (named-entity recognition) with an EncoderTokenClassifier: every word gets one
 IOB2 label (O, B-TYPE, I-TYPE), on the built-in wnut16 tweets or a user's CoNLL file. Implements
-the tformer.train.Task protocol.
+the tformer.training.config.Task protocol.
 
 Sub-word alignment: a sentence is tokenized word by word, and only the first piece of each word
 carries its label; the other pieces (and [bos]/[eos]) are ignored by the loss, and at prediction
@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import corpora, metrics
-from ..data import split_rows, step_generator
+from ..data import corpora
+from ..data.files import split_rows, step_generator
+from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError
-from ..heads import EncoderTokenClassifier
-from ..options import option, positive_int
-from ..tokenizers import Tokenizer, make_tokenizer
-from ..train import TrainOptions
+from ..evaluation import metrics
+from ..model.heads import EncoderTokenClassifier
+from ..training.config import TrainOptions
+from ..training.options import option, positive_int
 
 # The default shape (when --preset is not given), vocabulary and length are classification's (the
 # 2-layer, width-128 BERT): 2,400 tweets are too few for more.

@@ -1,6 +1,6 @@
 """Translation with an EncoderDecoder (the 2017 model): the encoder reads the source sentence once,
 the decoder writes the target left to right, attending to the encoder's output in every layer.
-Implements the tformer.train.Task protocol.
+Implements the tformer.training.config.Task protocol.
 
 Data: `numbers-fr-en` (default; French number words -> English, generated on the fly: each step
 draws fresh numbers, never one of the held-out numbers), `bible-en-es` (held out: whole chapters),
@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import corpora, metrics
-from ..data import split_rows, step_generator
+from ..data import corpora
+from ..data.files import split_rows, step_generator
 from ..errors import ConfigError, DataError
-from ..models import EncoderDecoder
-from ..options import below_one, option, positive_int
-from ..train import TrainOptions
+from ..evaluation import metrics
+from ..model.models import EncoderDecoder
+from ..training.config import TrainOptions
+from ..training.options import below_one, option, positive_int
 from .common import arg, length_batches, length_grouped_rows, model_config, pad, warn
 
 IGNORE = -100
@@ -263,6 +264,6 @@ class TranslateTask:
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):
-    from ..tokenizers import Tokenizer
+    from ..data.tokenizers import Tokenizer
 
     return Tokenizer.train_bpe(texts, vocab_size)

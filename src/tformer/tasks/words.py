@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ..tokenizers import Tokenizer, check_text
+from ..data.tokenizers import Tokenizer, check_text
 
 IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
 

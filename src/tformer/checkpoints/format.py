@@ -1,0 +1,241 @@
+"""Checkpoints: a directory with `config.json` (architecture, ModelConfig, checksums) and
+`model.safetensors` (+ `tokenizer.json` when the model has one, and `source_tokenizer.json` for a
+translator with separate source and target vocabularies). Loading never executes code.
+
+Writes are atomic: everything goes into a hidden temporary directory next to the target, which
+is renamed into place only when complete. This module knows one checkpoint; where the checkpoints
+of a training run are (`load(run_dir)`), tformer.checkpoints.layout says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, TformerError
+from ..model.config import ModelConfig
+from ..model.heads import EncoderClassifier, EncoderTokenClassifier
+from ..model.models import Decoder, Encoder, EncoderDecoder
+from .layout import CONFIG, resolve
+
+FORMAT = "tformer"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+# Every model class by name: what a checkpoint's "architecture" field names.
+ARCHITECTURES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (
+    Encoder, EncoderClassifier, EncoderTokenClassifier, Decoder, EncoderDecoder)}
+TOKENIZER = "tokenizer.json"
+SOURCE_TOKENIZER = "source_tokenizer.json"  # the source side's, when it differs from the target's (tokenizer.json)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict without the aliases of tied weights (e.g. lm_head.weight = token embedding)."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen and t.numel() > 0:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """alias name -> canonical name, for parameters that are the same tensor."""
+    first: dict[tuple[int, int], str] = {}
+    aliases = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in first and t.numel() > 0:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Move the finished directory `tmp` to `path`, replacing an existing one. The old copy is moved
+    aside first and deleted last, so a crash at any moment leaves one complete directory."""
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[str, Any] | None = None,
+         extra_files: dict[str, bytes] | None = None, source_tokenizer=None) -> Path:
+    """Write `model` (and its tokenizer, anything with `.save(path)` writing tokenizer.json) to `path`.
+    `source_tokenizer`: an EncoderDecoder's source-side tokenizer when it has its own vocabulary.
+    `meta` is stored in config.json (task, label names, data split...). Returns the directory."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        raise TypeError(f"cannot save a {arch}; expected one of {', '.join(ARCHITECTURES)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
+        save_file(state, str(tmp / WEIGHTS))
+        files = {WEIGHTS: sha256(tmp / WEIGHTS)}
+        for name, tok in ((TOKENIZER, tokenizer), (SOURCE_TOKENIZER, source_tokenizer)):
+            if tok is not None:
+                tok.save(str(tmp / name))
+                files[name] = sha256(tmp / name)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+            files[name] = sha256(tmp / name)
+        config: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "architecture": arch,
+                                  "config": model.cfg.to_dict(), "files": files, "meta": meta or {}}
+        if model.kind in ("classifier", "tagger"):
+            config["num_labels"], config["labels"] = model.num_labels, model.labels
+        if model.kind == "classifier":
+            config["pooling"] = model.pooling
+        write_json_atomic(tmp / CONFIG, config)
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed and checked config.json of a checkpoint directory (or run directory)."""
+    path = resolve(path)
+    try:
+        data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / CONFIG} is corrupt ({e}); re-save or re-train the model") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        hint = " (a Hugging Face directory? use `tformer import-hf`)" if isinstance(data, dict) and \
+            "model_type" in data else ""
+        raise CheckpointError(f"{path / CONFIG} is not a tformer config{hint}")
+    if data.get("architecture") not in ARCHITECTURES:
+        raise CheckpointError(f"{path / CONFIG}: unknown architecture {data.get('architecture')!r}")
+    data["_dir"] = str(path)
+    return data
+
+
+def verify_files(path: Path, files: dict[str, str]) -> None:
+    for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{path / CONFIG}: {name!r} in 'files' is not a file name of the checkpoint")
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete")
+        if sha256(f) != digest:
+            raise CheckpointError(f"{f} is corrupt: its checksum does not match config.json (truncated or altered)")
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked config.json of a checkpoint (or run directory), after verifying that every file it
+    lists matches its sha256: a truncated or altered file is named before anything reads it."""
+    data = read_config(path)
+    files = data.get("files") or {}
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{Path(data['_dir']) / CONFIG}: 'files' must map file names to sha256 checksums")
+    if WEIGHTS not in files:  # save() always records it: without it, damage would go unnoticed
+        raise CheckpointError(f"{Path(data['_dir']) / CONFIG} records no checksum for {WEIGHTS} "
+                              "(not written by tformer.save; re-save the model)")
+    verify_files(Path(data["_dir"]), files)
+    return data
+
+
+def build(data: dict[str, Any]) -> nn.Module:
+    """An untrained model of the architecture described by a config.json dict."""
+    try:
+        cfg = ModelConfig.from_dict(data["config"])
+    except TformerError as e:
+        raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG}: {e}") from None
+    except KeyError:
+        raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no 'config' section") from None
+    cls = ARCHITECTURES[data["architecture"]]
+    if cls.kind in ("classifier", "tagger") and not isinstance(data.get("num_labels"), int):
+        raise CheckpointError(f"{data.get('_dir', '')}/{CONFIG} has no valid 'num_labels' for an {cls.__name__}")
+    if cls.kind == "classifier":
+        return cls(cfg, data["num_labels"], data.get("labels"), data.get("pooling", "first"))
+    if cls.kind == "tagger":
+        return cls(cfg, data["num_labels"], data.get("labels"))
+    return cls(cfg)
+
+
+def key_mismatch(missing: list[str], unexpected: list[str], noun: str = "") -> str:
+    """'missing a, b; unexpected c' (at most five names each), for strict-loading errors."""
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+
+    parts = [f"missing {noun}{names(missing)}"] if missing else []
+    parts += [f"unexpected {noun}{names(unexpected)}"] if unexpected else []
+    return "; ".join(parts)
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Strict loading: every expected tensor present with the right shape, nothing unexpected."""
+    aliases = tied_aliases(model)
+    expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: weights do not match the architecture: {key_mismatch(missing, unexpected)}")
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{source}: tensor {k} has shape {tuple(state[k].shape)}, "
+                                  f"the model expects {tuple(v.shape)}")
+    full = dict(state)
+    for alias, canonical in aliases.items():
+        full[alias] = state[canonical]
+    model.load_state_dict(full, strict=True)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+        raise CheckpointError(f"{path} cannot be read as safetensors ({e})") from None
+
+
+def load(path: str | os.PathLike, device: str | torch.device | None = None) -> nn.Module:
+    """Load a model saved by `save` (or from a run directory: its `best/` model if it has one, else
+    its newest checkpoint; see `resolve`). The model is in eval mode; move it with `device` or `.to(...)`."""
+    data = verify(path)
+    ckpt = Path(data["_dir"])
+    if not (ckpt / WEIGHTS).exists():
+        raise CheckpointError(f"{ckpt / WEIGHTS} is missing")
+    model = build(data)
+    load_state(model, read_safetensors(ckpt / WEIGHTS), str(ckpt / WEIGHTS))
+    if device is not None:
+        model.to(device)
+    return model.eval()

@@ -1,0 +1,201 @@
+"""Int8 quantisation of the linear layers, for faster inference on a CPU.
+
+Per output channel (row n of W, shape (N, K)) one scale s_n = max_k |W_nk| / 127, and
+q_nk = round(W_nk / s_n) in [-127, 127]. Because s_n is constant along the row,
+
+    y_n = Σ_k x_k W_nk ≈ Σ_k x_k (q_nk s_n) = s_n · Σ_k x_k q_nk
+
+so the matmul runs on q directly and the scale is applied once per output. Two ways to run it:
+
+- activations="int8" (the default; CPU, float inputs): each call also rounds its input to 7-bit
+  integers and multiplies integers by integers (FBGEMM's dynamic int8 linear, as CTranslate2 and
+  ONNX Runtime's dynamic int8 do). Each row m (token) is first divided by its own largest
+  magnitude r_m, so that one token's outliers do not coarsen every other token's step; FBGEMM then
+  rounds the whole (M, K) input with one step a = (max(x/r, 0) - min(x/r, 0)) / 127 <= 2/127:
+  x_mk ≈ r_m·a·(u_mk - z), u in [0, 127]. 7 bits, not 8: the AVX2 instruction that multiplies u8
+  by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
+  conversion of the weights, so this is fast for decoding at any batch or beam count (one row:
+  reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md).
+  Decoding steps of up to KERNEL_ROWS rows take tformer's own integer kernel instead where it is
+  built (`Gemv8`, gemv.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a step
+  of (max - min) / 128 (FBGEMM's for one row: / 127); it reads the weights faster than FBGEMM's
+  call (~16 against 11-14 GB/s on a 2-core Zen 1), needs none of the PyTorch ops around it (a beam
+  search of Marian: 12% less time), and a GPT's fused step (fused.py) runs whole int8 layers in C.
+  Inputs of more than INT8_MAX_ROWS rows (encoders, prompts: compute-bound) are not rounded to 7
+  bits, which would cost accuracy there (MiniLM's embeddings: cosine 0.96 to fp32). On a CPU with
+  bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
+  significant bits), and the scales follow in fp32: x and the sum are rounded to bf16 (relative
+  u = 2^-8 each, so |error| <= 2u·Σ_k |x_mk| s_n |q_nk| on top of the weights' — within the int8
+  inputs' bound below, as r_m/128 against r_m/127), at bf16's speed (MiniLM: 1.3x the
+  dequantised fp32 product, cosine to fp32 0.996). Elsewhere they multiply by the dequantised
+  weight, as in weight-only mode.
+- activations="float" (weight-only): x stays in floating point; for a few rows on a CPU PyTorch's
+  `_weight_int8pack_mm` converts q inside the dot product (fast for bf16 inputs on CPUs with
+  AVX-512), otherwise the product uses the dequantised weight s_n·q_nk. Without FBGEMM (GPU,
+  other CPUs) both modes take this path.
+
+Error, per output (the bound the tests check): rounding each weight moves it by at most s_n / 2,
+and rounding each input of row m by at most r_m·a / 2, so
+
+    |y_mn - y_exact_mn| <= (s_n / 2) · Σ_k |x_mk|  +  (r_m·a / 2) · Σ_k s_n |q_nk|
+
+(the second term only with int8 activations; with tformer's kernel r_m·a = (max - min) / 128).
+
+    model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
+
+Embedding tables stay as they are: a lookup reads one row per token, not the whole table. The
+rest of the model keeps its dtype; with int8 activations fp32 is the fast choice on a CPU
+(the kernel takes and returns fp32; bf16 inputs are converted there and back).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..devices import native_bf16
+from ..kernels import gemv
+from ..model.linear import Plan
+
+ACTIVATIONS = ("int8", "float")
+# Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
+# hardly faster than the float GEMM on AVX2 while rounding the inputs costs accuracy (MiniLM's
+# embeddings, BENCHMARKS.md): such inputs multiply by the dequantised weight (weight-only error).
+INT8_MAX_ROWS = 256
+# Up to this many rows (decoding steps: a batch's rows, beams x sentences) tformer's int8 kernel runs
+# the product where it is built (Gemv8): FBGEMM's call costs ~0.3 ms more per product in the PyTorch
+# ops around it (each row's range), and the kernel's integer products are as fast.
+KERNEL_ROWS = 64
+
+
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) float -> (q (N, K) int8, scales (N,) float32), symmetric per output channel."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127                         # (N,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # row-major, for the kernel
+    return q, scales
+
+
+@functools.cache
+def dynamic_int8_available() -> bool:
+    """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs); asked once (each
+    Int8Linear call checks it: ~4 µs a time on a 2 GHz core, 49 calls a GPT-2 token)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Packed8(Plan):
+    """FBGEMM's copy of q and the scales, in its own layout; valid while the int8 weight is the one
+    it was made for (a plain attribute: state_dict and deepcopy never see it)."""
+
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__(weight, rows=0)
+        zero = torch.zeros(weight.size(0), dtype=torch.long)
+        with warnings.catch_warnings():          # PyTorch warns that quantized tensors are deprecated
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)        # reduce_range: 7-bit inputs
+
+
+class Gemv8(Plan):
+    """tformer's int8 kernel (gemv.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
+    own copy of q and the scales (gemv.pack8), for decoding steps of up to KERNEL_ROWS rows: it
+    reads the weights at ~16 GB/s where FBGEMM's call reads them at 11-14 on a 2-core Zen 1, and the
+    fused GPT step (fused.py) runs whole layers with it, without a Python call per product."""
+
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__(weight, rows=0)
+        self.packed = gemv.pack8(weight, scales.float())
+        self.out_features = weight.size(0)
+
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return gemv.gemv8(self.packed, x, bias, self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """A drop-in for nn.Linear holding int8 weights and one scale per output feature.
+    forward(x (..., K)) -> (..., N) in x's dtype. `activations`: see the module docstring."""
+
+    plan: Packed8 | None = None
+    kernel: Gemv8 | None = None
+
+    def __init__(self, linear: nn.Linear, activations: str = "int8"):
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r}: choose one of {ACTIVATIONS}")
+        q, scales = quantize_weight(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.activations = activations
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)                                     # (M, K)
+        rows = x2.size(0)
+        if 1 <= rows <= KERNEL_ROWS and self._integer_path(x) and self.gemv_plan() is not None:
+            y = self.kernel(x2.float(), self.bias).to(x.dtype)                   # bias added in the kernel
+            return y.reshape(*shape[:-1], self.out_features)
+        if rows <= INT8_MAX_ROWS and self._integer_path(x):
+            # In place where it can be: a fresh (M, N) tensor costs page faults, as much as the product here.
+            xf = x2.float()
+            if rows == 1:                # one row: FBGEMM's per-tensor range is the row's own
+                y = self._packed()(xf).to(x.dtype)
+            else:                        # (abs().amax is ~10x faster than aminmax on these shapes)
+                r = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)         # (M, 1): each row's own range
+                y = self._packed()(xf / r).mul_(r).to(x.dtype)                   # r_m·a·s_n · Σ_k (u_mk - z) q_nk
+        elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
+        elif rows > INT8_MAX_ROWS and self._integer_path(x) and native_bf16(x.device):
+            # Many rows, bf16 units: (x rounded to bf16) · q, q exact in bf16; then s_n in fp32.
+            y = F.linear(x2.bfloat16(), self.weight.bfloat16()).float().mul_(self.scales.float()).to(x.dtype)
+        else:
+            # Many rows: the weight, converted once, costs little against the product itself.
+            y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])   # Σ_k x_k (s_n q_nk)
+        if self.bias is not None:
+            y = y.add_(self.bias.to(x.dtype))
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _integer_path(self, x: Tensor) -> bool:
+        return (self.activations == "int8" and x.device.type == "cpu" and x.is_floating_point()
+                and not (torch.is_grad_enabled() and x.requires_grad) and dynamic_int8_available())
+
+    def gemv_plan(self) -> Gemv8 | None:
+        """tformer's int8 kernel on this layer's weight (made when first needed), for int8 inputs on a
+        CPU where the kernel is built; None elsewhere."""
+        if self.activations != "int8" or self.weight.device.type != "cpu" or not gemv.available() or (
+                self.bias is not None and self.bias.dtype != torch.float32):
+            return None
+        if self.kernel is None or not self.kernel.made_for(self.weight):
+            self.kernel = Gemv8(self.weight, self.scales)
+        return self.kernel
+
+    def _packed(self) -> Packed8:
+        if self.plan is None or not self.plan.made_for(self.weight):
+            self.plan = Packed8(self.weight, self.scales.float())
+        return self.plan
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, "
+                f"activations={self.activations}")
+
+
+def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8") -> nn.Module:
+    """Replace every nn.Linear in `model` (in place) by an Int8Linear, except those whose qualified
+    name starts with one of `skip`. Returns the model. For inference only: Int8Linear has no
+    trainable parameters."""
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not any(name.startswith(s) for s in skip)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear(linear, activations))
+    return model

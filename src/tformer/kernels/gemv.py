@@ -1,0 +1,300 @@
+"""fp32 products of a few rows by a weight matrix, at the memory's read rate (AVX-512 or AVX2 CPUs).
+
+A decoding step multiplies one row per sequence by every weight matrix, so its speed is how fast
+the weights are read. oneDNN's packed kernel reads fp32 weights at ~22 GB/s on an AVX-512 EPYC,
+two thirds of what memory delivers (~33 GB/s), and at 19 of 25 GB/s on an AVX2 one (BENCHMARKS.md);
+`gemv.c` reads them at the full rate: the weight is packed once into blocks of 16 output features
+(`pack`), which each thread streams front to back.
+
+The kernel is C, compiled once at install time (`tformer.kernels.gemv.main()`, which `make` runs) into a shared
+library next to this file (or under ~/.cache/tformer when the package directory is read-only), for the
+CPU's widest vectors (`flags()`), and loaded with ctypes. It is used only where
+it can run: x86-64 Linux with AVX-512 or AVX2, PyTorch on OpenMP (the library then shares PyTorch's
+threads), and a library built from this very source. Anywhere else `available()` is False and
+linear.py keeps oneDNN's kernels.
+
+    p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
+    y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
+
+The same library holds a bf16 variant (`pack(w, torch.bfloat16)`: half the bytes) and greedy decoding's
+argmax through it (`argmax_bf16`, for linear.Gemv.argmax), an int8 product (`gemv8` on `pack8(q, scales)`,
+for quant.Int8Linear), decoding attention (`attend`: every row and head in one call), and a GPT's whole
+decoding step built from these (`gpt_step`, for fused.GPTStep).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+VECTORS = {"AVX512": ["-mavx512f"], "AMX": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}   # by PyTorch's name for the CPU
+CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
+PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
+BLOCK = 16            # output features per block: one AVX-512 register of fp32, two AVX2 ones
+HUGE_PAGE = 2 << 20   # x86-64 huge page: a packed weight at least this large lives in huge pages
+MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and up to MAX_KEYS keys
+MAX_KEYS = 16384
+
+
+def flags() -> list[str]:
+    """The compiler's flags for this CPU's widest vectors: AVX-512 (with VNNI where it has it), else AVX2 + FMA."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    vnni = ["-mavx512vnni"] if cpu in ("AVX512", "AMX") and torch.cpu._is_vnni_supported() else []
+    return FLAGS + VECTORS.get(cpu, []) + vnni
+
+
+def library_path() -> Path:
+    """Where the library built from this source with these flags lives (the name carries a hash of
+    both, so a changed source, or a checkout moved to a CPU with other vectors, is never run from an
+    old build)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()[:12]
+    name = f"_gemv-{digest}.so"
+    here = SOURCE.parent
+    if os.access(here, os.W_OK) or (here / name).exists():
+        return here / name
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tformer" / name
+
+
+def unsupported() -> str | None:
+    """Why the kernel cannot run on this machine, or None."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return f"needs x86-64 Linux (this is {sys.platform} {platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in VECTORS:
+        return "the CPU has neither AVX-512 nor AVX2"
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return "PyTorch is not built with OpenMP"
+    return None
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile gemv.c into library_path() (atomically: a half-written library is never loaded).
+    Raises RuntimeError with the compiler's message when it cannot."""
+    reason = unsupported()
+    if reason:
+        raise RuntimeError(reason)
+    out = library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = compiler or os.environ.get("CC", "cc")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags(), str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+            raise RuntimeError(f"{cc} failed: {last}")
+        os.replace(tmp, out)
+        for old in out.parent.glob("_gemv-*.so"):          # builds of earlier sources
+            if old != out:
+                old.unlink(missing_ok=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _function(name: str):
+    """The library's C function `name` with its argument types, or None where the library cannot run."""
+    if unsupported() or not library_path().exists():
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    argtypes = {
+        "tformer_gemv": [ptr] * 4 + [i64] * 3,                   # p, x, bias, y; M, N, K
+        "tformer_gemv_bf16": [ptr] * 4 + [i64] * 3,
+        "tformer_gemv_int8": [ptr] * 4 + [i64] * 3 + [ptr],      # ... and the scratch for x in bytes
+        "tformer_attend": ([ptr, i64, i64] + [ptr] * 2 + [i64] * 6       # q + strides; k, v + strides
+                           + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
+                           + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
+        "tformer_gpt_step": ([ptr, i64, ptr] + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_float, ptr]),
+        "tformer_argmax_bf16": [ptr] * 5 + [ctypes.c_float] + [i64] * 3 + [ptr] * 2,   # ...; r; M, N, K; rough, best
+        "tformer_bf16_paired": [],
+    }[name]
+    fn = getattr(ctypes.CDLL(str(library_path())), name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int if name in ("tformer_bf16_paired", "tformer_argmax_bf16") else None
+    return fn
+
+
+def available() -> bool:
+    """Whether the kernel is built and can run here."""
+    return _function("tformer_gemv") is not None
+
+
+def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
+
+    Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware prefetcher at
+    each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster (benchmarks/gemv_pages.py).
+    PyTorch's allocator does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the
+    memory is mapped here; the tensor keeps the mapping alive and unmaps it when freed (ordinary memory
+    where the system grants no huge pages)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)                       # before the first touch, which allocates
+    raw = torch.frombuffer(area, dtype=torch.uint8)        # holds `area` for the tensor's lifetime
+    start = -raw.data_ptr() % HUGE_PAGE                     # huge pages need 2 MiB-aligned addresses
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(N, K) -> (ceil(N / 16), K, 16) fp32 (or bf16: the weights rounded, half the bytes): block b
+    holds output features 16b .. 16b + 15 (bf16 for AVX2: in the order 0, 8, 1, 9, ..., 7, 15, which
+    the kernel widens to fp32 without crossing its vectors' halves)."""
+    n, k = weight.shape
+    w = F.pad(weight.detach().to(dtype), (0, 0, 0, -n % BLOCK))                   # zero rows up to 16·blocks
+    blocks = w.view(-1, BLOCK, k)
+    if dtype == torch.bfloat16 and bf16_paired():
+        blocks = blocks[:, torch.arange(BLOCK).view(2, -1).t().reshape(-1)]
+    packed = huge_page_empty(w.size(0) // BLOCK, k, BLOCK, dtype=dtype)
+    return packed.copy_(blocks.transpose(1, 2))
+
+
+def pack8(q: Tensor, scales: Tensor) -> Tensor:
+    """An int8 weight q (N, K) and its scales (N,) (quant.quantize_weight) -> one int8 tensor as the
+    int8 kernel reads it (gemv.c, pack8): blocks of 16 output features by groups of 4 k, then each
+    output's Σ_k q (int32) and scale (fp32), 16·ceil(N / 16) of each."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or scales.shape != (n,):
+        raise ValueError(f"pack8: needs q (N, K) int8 and scales (N,), got {q.dtype} {tuple(q.shape)}, "
+                         f"{tuple(scales.shape)}")
+    blocks, groups = -(-n // BLOCK), -(-k // 4)
+    w = F.pad(q.detach(), (0, 4 * groups - k, 0, BLOCK * blocks - n))               # zeros past N and K
+    body = w.view(blocks, BLOCK, groups, 4).transpose(1, 2)                          # (blocks, G, 16, 4)
+    ends = torch.zeros(2, BLOCK * blocks, dtype=torch.int32)
+    ends[0, :n] = q.sum(dim=1, dtype=torch.int32)
+    ends[1, :n] = scales.detach().float().view(torch.int32)
+    packed = huge_page_empty(body.numel() + ends.numel() * 4, dtype=torch.int8)
+    packed[:body.numel()].view(body.shape).copy_(body)
+    packed[body.numel():].view(torch.int32).view(ends.shape).copy_(ends)
+    return packed
+
+
+def bf16_paired() -> bool:
+    """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
+    return (fn := _function("tformer_bf16_paired")) is not None and bool(fn())
+
+
+def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W the weight `packed` was made from (fp32, or
+    bf16: each product exact in fp32, only W rounded)."""
+    x = x.contiguous()
+    m, k = x.shape
+    if m < 1 or packed.shape[1:] != (k, BLOCK) or x.dtype != torch.float32 or packed.dtype not in (
+            torch.float32, torch.bfloat16):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
+    bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
+    y = torch.empty(m, n, dtype=torch.float32)
+    b = None if bias is None else bias.data_ptr()
+    kernel = _function("tformer_gemv" if packed.dtype == torch.float32 else "tformer_gemv_bf16")
+    p, xp, yp = packed.data_ptr(), x.data_ptr(), y.data_ptr()
+    for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
+        kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
+    return y
+
+
+def argmax_bf16(screen: Tensor, packed: Tensor, slack: Tensor, x: Tensor, bias: Tensor | None, rounding: float,
+                n: int) -> Tensor | None:
+    """x (M, K) fp32, M <= PLAN_ROWS -> (M,) int64, each row's index of its largest output of x Wᵀ + bias (the
+    first of equals), from `screen` (pack(w, torch.bfloat16)), `packed` (pack(w)) and the screen's error bound
+    (`slack` (N,), `rounding`: linear.Gemv.argmax); None where x or the screen is not finite."""
+    x, bias = x.contiguous(), None if bias is None else bias.float().contiguous()
+    m, fits = x.size(0), screen.shape == packed.shape == (packed.size(0), x.size(1), BLOCK)
+    if not 1 <= m <= PLAN_ROWS or x.dtype != torch.float32 or not fits or screen.dtype != torch.bfloat16:
+        raise ValueError(f"argmax_bf16: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
+    rough, best = torch.empty(m, n), torch.empty(m, dtype=torch.int64)     # rough: the screen's outputs
+    status = _function("tformer_argmax_bf16")(screen.data_ptr(), packed.data_ptr(), slack.data_ptr(), x.data_ptr(),
+                                              None if bias is None else bias.data_ptr(), rounding, m, n, x.size(1),
+                                              rough.data_ptr(), best.data_ptr())
+    return best if status == 0 else None
+
+
+def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
+    """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W = scales · q as pack8(q, scales) holds it: each
+    row of x rounded to 7 bits on its own range, the products summed exactly in integers (gemv.c)."""
+    x = x.contiguous()
+    m, k = x.shape
+    blocks, groups = -(-n // BLOCK), -(-k // 4)
+    if m < 1 or x.dtype != torch.float32 or packed.dtype != torch.int8 or packed.numel() != blocks * BLOCK * (
+            4 * groups + 8):
+        raise ValueError(f"gemv8: x {tuple(x.shape)} {x.dtype} does not fit an int8 weight ({n}, {k}) packed "
+                         f"in {packed.numel()} {packed.dtype} elements")
+    bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
+    y = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(min(m, CHUNK_ROWS) * 4 * groups, dtype=torch.uint8)   # x rounded, CHUNK_ROWS rows a time
+    _function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), m, n, k, scratch.data_ptr())
+    return y
+
+
+def main() -> None:
+    """Build the kernel and say so (make runs it at install); a machine that cannot build it still
+    installs, and decodes with oneDNN's kernels."""
+    try:
+        print(f"tformer.kernels.gemv: built {build()}")
+    except RuntimeError as e:
+        print(f"tformer.kernels.gemv: not built ({e}); decoding uses oneDNN's kernels")
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+           lineage: Tensor | None = None) -> Tensor | None:
+    """Decoding attention in one call: q (B, H, 1, hd), k and v (B / c, H_kv, T_k, hd) (c beams of
+    one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
+    attention output (B, 1, H·hd), heads side by side as the output projection wants them; None
+    where the kernel does not take these inputs. `lineage` (B, T_k) int32 (rows contiguous; c = 1):
+    position j of row b is held by row lineage[b, j] of k and v (kv_cache.KVCache)."""
+    B, H, t, hd = q.shape
+    Bk, H_kv, T_k = k.shape[:3]
+    kernel = _function("tformer_attend")
+    if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or kernel is None
+            or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
+        return None
+    lineage_args = (None, 0)
+    if lineage is not None:
+        if Bk != B or lineage.shape != (B, T_k) or lineage.dtype != torch.int32 or lineage.stride(1) != 1:
+            return None
+        lineage_args = (lineage.data_ptr(), lineage.stride(0))
+    mask_args = (None, 0, 0, 1)
+    if mask is not None:
+        if mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) != 1 or B % mask.size(0) or mask.dtype != torch.bool:
+            return None
+        m = mask.expand(mask.size(0), 1, 1, T_k)
+        mask_args = (m.data_ptr(), m.stride(0), m.stride(3), B // m.size(0))
+    out = torch.empty(B, 1, H * hd, dtype=torch.float32)
+    kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+           k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
+    return out
+
+
+def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int, ffn: int, max_len: int,
+             pos: int, eps: float, act: int, scale: float) -> None:
+    """One decoding step through every pre-LN block of a GPT in one call (gemv.c, tformer_gpt_step):
+    x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 18) int64 the addresses
+    of each layer's norms, packed weights (fp32 by pack, or int8 by pack8) and their types, biases and
+    K, V caches (fused.py builds it); position `pos` of the caches is written. The caller checks that
+    everything fits (fused.GPTStep)."""
+    m, d = x.shape
+    floats = m * (d + (heads + 2 * kv_heads) * head_dim + heads * head_dim + ffn)     # h, qkv, attention, up
+    scratch = torch.empty(floats + m * (max(d, heads * head_dim, ffn) + 3) // 4 + 1, dtype=torch.float32)
+    _function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
+                                  ffn, max_len, pos, eps, act, scale, scratch.data_ptr())
