@@ -69,7 +69,7 @@ def main() -> None:
                    help="multiply token embeddings by sqrt(d_model), as the 2017 paper and opus-mt (default: on)")
     a = p.parse_args()
 
-    from tformer.data.tokenizers import load_tokenizer
+    from tformer.checkpoints.format import load_tokenizer
     from tformer.devices import native_bf16
     from tformer.evaluation import metrics
     from tformer.tasks.translate import TranslateOptions, TranslateTask, teacher_forced_loss

@@ -24,7 +24,7 @@ def main() -> None:
     a = p.parse_args()
 
     from bible_marian_peer import marian_loss, marian_peer  # this folder is on the path of a script run from it
-    from tformer.data.tokenizers import load_tokenizer
+    from tformer.checkpoints.format import load_tokenizer
     from tformer.tasks.translate import TranslateOptions, TranslateTask
     from tformer.training.config import resolve_options
     from tformer.training.options import pick

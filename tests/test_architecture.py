@@ -145,7 +145,44 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 
 def is_generation(name: str) -> bool:
-    return name == "tformer.generation" or name.startswith("tformer.generation.")
+    return package_of(name) == "tformer.generation"
+
+
+def upward_imports(modules: dict[str, list[tuple[str, str, int]]]) -> list[str]:
+    """Every import of a package from a higher layer (the root package, tformer/__init__.py, is the
+    public face and may load anything), except the UPWARD edges, and every import NEVER forbids."""
+    wrong = []
+    for name, found in sorted(modules.items()):
+        if name == "tformer":
+            continue
+        here = package_of(name)
+        for target, _, line in found:
+            to = owner(target)
+            there = package_of(to)
+            if to == "tformer" or (name, to) in UPWARD or there == here:
+                continue
+            if LEVEL[there] > LEVEL[here] or there in NEVER.get(here, ()):
+                wrong.append(f"{name}:{line} imports {target}: {here} may not import {there}")
+    return wrong
+
+
+def test_every_package_has_a_layer():
+    assert {package_of(name) for name in MODULES} - {"tformer"} == set(LEVEL)
+
+
+def test_no_package_imports_a_higher_layer():
+    wrong = upward_imports({name: imports(name) for name in MODULES})
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_fails_on_an_upward_import():
+    """Planted imports are caught: the training loop into the attention module, a task into the server;
+    one within the model's own package is not."""
+    planted = {"tformer.model.attention": [("tformer.training.loop", "fit", 1), ("tformer.model.masks", "", 2)],
+               "tformer.serve.served": [("tformer.tasks.classify", "encode_texts", 3)]}
+    assert upward_imports(planted) == [
+        "tformer.model.attention:1 imports tformer.training.loop: tformer.model may not import tformer.training",
+        "tformer.serve.served:3 imports tformer.tasks.classify: tformer.serve may not import tformer.tasks"]
 
 
 def test_the_reader_sees_imports_inside_functions():

@@ -91,8 +91,7 @@ def trained_separate(tmp_path_factory):
 
 
 def test_separate_vocabularies_are_saved_and_each_fits_its_language(trained_separate):
-    from tformer.checkpoints.format import read_config, resolve
-    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import load_source_tokenizer, load_tokenizer, read_config, resolve
 
     data, run, first = trained_separate
     ckpt = resolve(run)
@@ -130,8 +129,7 @@ def test_separate_vocabularies_learn_translate_and_eval(trained_separate, capsys
 
 
 def test_separate_vocabularies_in_trace_and_attention(trained_separate, capsys):
-    from tformer.checkpoints.format import load
-    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import load, load_source_tokenizer, load_tokenizer
     from tformer.inspect.trace import attention_maps, prepare, token_label
 
     _, run, _ = trained_separate

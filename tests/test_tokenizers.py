@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tformer.data.tokenizers import Tokenizer, load_tokenizer
+from tformer.checkpoints.format import load_tokenizer
+from tformer.data.tokenizers import Tokenizer
 from tformer.errors import CheckpointError, DataError
 
 # An alphabet with the awkward cases: whitespace kinds, the characters of "<pad>", non-ASCII, an emoji.

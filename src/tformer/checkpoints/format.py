@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.tokenizers import Tokenizer
 from ..errors import CheckpointError, TformerError
 from ..model.config import ModelConfig
 from ..model.heads import EncoderClassifier, EncoderTokenClassifier
@@ -239,3 +240,33 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None) -> n
     if device is not None:
         model.to(device)
     return model.eval()
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer saved with a checkpoint (a checkpoint directory or a run directory)."""
+    path = Path(path)
+    if path.is_file() and path.name.endswith(".json"):
+        return Tokenizer.from_file(path)
+    ckpt = resolve(path)
+    if not (ckpt / TOKENIZER).is_file():
+        raise CheckpointError(f"{ckpt} has no {TOKENIZER} (pass token ids, or train with `tformer train`, "
+                              "which saves the tokenizer with the model)")
+    return Tokenizer.from_file(ckpt / TOKENIZER)
+
+
+def load_source_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
+    """The source-side tokenizer of a translator trained with separate vocabularies (its
+    `source_tokenizer.json`), or None when one tokenizer (`tokenizer.json`) serves both sides."""
+    path = Path(path)
+    if path.is_file():  # a bare tokenizer.json: there is no second one
+        return None
+    data = read_config(path)
+    file = Path(data["_dir"]) / SOURCE_TOKENIZER
+    separate = (data.get("config") or {}).get("src_vocab_size") is not None
+    if separate and not file.is_file():
+        raise CheckpointError(f"{data['_dir']} has no {SOURCE_TOKENIZER}, but its model has a separate source "
+                              "vocabulary (src_vocab_size); save it with tformer.save(..., source_tokenizer=...)")
+    if file.is_file() and not separate:
+        raise CheckpointError(f"{data['_dir']} has a {SOURCE_TOKENIZER}, but its model shares one vocabulary "
+                              "(no src_vocab_size); re-save it without source_tokenizer")
+    return Tokenizer.from_file(file) if separate else None

@@ -44,8 +44,7 @@ def output_paths(out: str) -> tuple[Path, Path]:
 
 
 def run(args) -> int:
-    from tformer.checkpoints.format import load
-    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import load, load_source_tokenizer, load_tokenizer
     from tformer.inspect.trace import attention_maps, prepare
     from tformer.inspect.viz import check_parent, plot_attention_grid, write_attention_html
 

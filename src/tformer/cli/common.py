@@ -30,8 +30,7 @@ def read_inputs(texts: list[str], what: str = "text") -> list[str]:
 def load_task_model(path: str, kind: str, what: str, task: str):
     """(model, tokenizer, max_len, meta) of a checkpoint that must hold a model of `kind`
     (model.kind; `what` in messages)."""
-    from tformer.checkpoints.format import load, read_config
-    from tformer.data.tokenizers import load_tokenizer
+    from tformer.checkpoints.format import load, load_tokenizer, read_config
 
     model = load(path)
     if model.kind != kind:

@@ -38,8 +38,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoints.format import load, read_config
-    from tformer.data.tokenizers import load_tokenizer
+    from tformer.checkpoints.format import load, load_tokenizer, read_config
     from tformer.errors import ConfigError
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
@@ -131,7 +130,7 @@ def eval_tagger(model, tokenizer, meta, args):
 
 
 def eval_translator(model, tokenizer, meta, args):
-    from tformer.data.tokenizers import load_source_tokenizer
+    from tformer.checkpoints.format import load_source_tokenizer
     from tformer.inference.limits import check_generation
     from tformer.tasks.translate import load_split, score
 

@@ -57,8 +57,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from tformer.checkpoints.format import load
-    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import load, load_source_tokenizer, load_tokenizer
     from tformer.errors import TformerError
     from tformer.generation import eos_ids, generate, prompt_ids, stream_text
 

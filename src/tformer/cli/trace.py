@@ -32,8 +32,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.checkpoints.format import load
-    from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+    from tformer.checkpoints.format import load, load_source_tokenizer, load_tokenizer
     from tformer.errors import ConfigError
     from tformer.inspect.trace import prepare, trace
 

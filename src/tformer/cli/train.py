@@ -114,7 +114,7 @@ def prepare(args):
     cfg.check()
     tokenizers = {}
     if resume:
-        from tformer.data.tokenizers import load_source_tokenizer, load_tokenizer
+        from tformer.checkpoints.format import load_source_tokenizer, load_tokenizer
         tokenizers["tokenizer"] = load_tokenizer(resume)
         source = load_source_tokenizer(resume)
         if source is not None:  # only a translator with separate vocabularies has one

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tformer.data.tokenizers import load_source_tokenizer
+    from tformer.checkpoints.format import load_source_tokenizer
     from tformer.errors import ConfigError
     from tformer.tasks.common import warn
     from tformer.tasks.translate import encode_pairs, translate

@@ -225,37 +225,3 @@ def make_tokenizer(choice: str, texts: list[str], vocab_size: int) -> Tokenizer:
         return Tokenizer.train_wordpiece(texts, vocab_size)
     path = SHIPPED.get(choice, Path(choice))
     return Tokenizer.from_file(path / "tokenizer.json" if path.is_dir() else path)
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer saved with a checkpoint (a checkpoint directory or a run directory)."""
-    from ..checkpoints.format import TOKENIZER, resolve
-
-    path = Path(path)
-    if path.is_file() and path.name.endswith(".json"):
-        return Tokenizer.from_file(path)
-    ckpt = resolve(path)
-    if not (ckpt / TOKENIZER).is_file():
-        raise CheckpointError(f"{ckpt} has no {TOKENIZER} (pass token ids, or train with `tformer train`, "
-                              "which saves the tokenizer with the model)")
-    return Tokenizer.from_file(ckpt / TOKENIZER)
-
-
-def load_source_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
-    """The source-side tokenizer of a translator trained with separate vocabularies (its
-    `source_tokenizer.json`), or None when one tokenizer (`tokenizer.json`) serves both sides."""
-    from ..checkpoints.format import SOURCE_TOKENIZER, read_config
-
-    path = Path(path)
-    if path.is_file():  # a bare tokenizer.json: there is no second one
-        return None
-    data = read_config(path)
-    file = Path(data["_dir"]) / SOURCE_TOKENIZER
-    separate = (data.get("config") or {}).get("src_vocab_size") is not None
-    if separate and not file.is_file():
-        raise CheckpointError(f"{data['_dir']} has no {SOURCE_TOKENIZER}, but its model has a separate source "
-                              "vocabulary (src_vocab_size); save it with tformer.save(..., source_tokenizer=...)")
-    if file.is_file() and not separate:
-        raise CheckpointError(f"{data['_dir']} has a {SOURCE_TOKENIZER}, but its model shares one vocabulary "
-                              "(no src_vocab_size); re-save it without source_tokenizer")
-    return Tokenizer.from_file(file) if separate else None

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints.format import load, read_config, resolve
-from ..data.tokenizers import load_source_tokenizer, load_tokenizer
+from ..checkpoints.format import load, load_source_tokenizer, load_tokenizer, read_config, resolve
 from ..errors import ConfigError
 from ..generation.settings import eos_ids
 from ..model.pooling import POOLINGS

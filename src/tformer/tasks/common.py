@@ -79,8 +79,8 @@ def load_pretrained_encoder(init: str):
     """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder, or a classifier or tagger, whose
     encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
     is the one saved with it: a pretrained encoder only understands its own token ids."""
-    from ..checkpoints.format import load
-    from ..data.tokenizers import Tokenizer, load_tokenizer
+    from ..checkpoints.format import load, load_tokenizer
+    from ..data.tokenizers import Tokenizer
 
     path = Path(init)
     if not path.exists():

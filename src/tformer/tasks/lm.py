@@ -62,7 +62,7 @@ class LMTask:
         text = read_text(opts.data, errors=opts.errors)
         self.train_text, self.val_text = split_text(text, opts.val_fraction)
         if tokenizer is None and init is not None:
-            from ..data.tokenizers import load_tokenizer
+            from ..checkpoints.format import load_tokenizer
             tokenizer = load_tokenizer(init)
         if tokenizer is None:
             tokenizer = make_tokenizer(opts.tokenizer, [self.train_text], opts.vocab_size)
