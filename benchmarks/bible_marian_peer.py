@@ -47,7 +47,7 @@ def marian_peer(task, scale_embedding: bool = True):
 
 def marian_loss(model, batch, label_smoothing: float):
     """The task's loss (TranslateTask.loss) for the Marian peer: label-smoothed cross-entropy per token."""
-    from tformer.tasks.translate import IGNORE
+    from tformer.evaluation.translate import IGNORE
 
     logits = model(input_ids=batch["src_ids"], attention_mask=batch["src_mask"],
                    decoder_input_ids=batch["tgt_ids"]).logits
@@ -72,7 +72,8 @@ def main() -> None:
     from tformer.checkpoints.format import load_tokenizer
     from tformer.devices import native_bf16
     from tformer.evaluation import metrics
-    from tformer.tasks.translate import TranslateOptions, TranslateTask, teacher_forced_loss
+    from tformer.evaluation.translate import teacher_forced_loss
+    from tformer.tasks.translate import TranslateOptions, TranslateTask
     from tformer.training.config import TrainConfig, resolve_options
     from tformer.training.ema import EMA
     from tformer.training.optim import lr_at, param_groups, progress_of

@@ -1,5 +1,6 @@
-"""tformer.kernels.gemv, the fp32 kernel for decoding: x Wᵀ + b for any number of rows equals F.linear, the Gemv
-plan takes it where it is built, and it runs on PyTorch's own OpenMP threads."""
+"""tformer.kernels.gemv, the fp32 kernel for decoding, and tformer.kernels.build, the library it is in: x Wᵀ + b
+for any number of rows equals F.linear, the Gemv plan takes it where it is built, and it runs on PyTorch's own
+OpenMP threads."""
 
 import platform
 import subprocess
@@ -12,16 +13,16 @@ import torch.nn.functional as F
 
 from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
-from tformer.kernels import gemv
+from tformer.kernels import build, gemv
 from tformer.model import linear
 from tformer.model.linear import Gemv, Linear, plan_decoding
 
-needs_kernel = pytest.mark.skipif(gemv.unsupported() is not None, reason=f"gemv: {gemv.unsupported()}")
+needs_kernel = pytest.mark.skipif(build.unsupported() is not None, reason=f"gemv: {build.unsupported()}")
 
 
 @needs_kernel
 def test_the_install_built_the_kernel_where_it_can_run():
-    assert gemv.available(), "make builds it (tformer.kernels.gemv.main()); run it to see why it failed"
+    assert gemv.available(), "make builds it (tformer.kernels.build.main()); run it to see why it failed"
 
 
 @needs_kernel
@@ -95,31 +96,53 @@ def test_one_openmp_runtime():
 
 
 def test_build_says_why_it_cannot(monkeypatch, tmp_path):
-    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / "_gemv-test.so")
-    reason = gemv.unsupported()
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / "_gemv-test.so")
+    reason = build.unsupported()
     with pytest.raises(RuntimeError, match=reason or "no C compiler"):
-        gemv.build(compiler="no-such-cc")
+        build.build(compiler="no-such-cc")
     assert not list(tmp_path.iterdir())                          # nothing half-written left behind
 
 
 @pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="x86-64 Linux only")
 @pytest.mark.parametrize("cpu, vnni", [("AVX2", False), ("AVX512", False), ("AVX512", True)])
 def test_source_builds_for_each_vector_width(monkeypatch, tmp_path, cpu, vnni):
-    """The kernel compiles for AVX-512 (with and without VNNI's int8 products) and for AVX2 whichever
-    CPU runs the tests (only the ones it has can run the result), into a library of its own name."""
+    """The library compiles for AVX-512 (with and without VNNI's int8 products) and for AVX2 whichever
+    CPU runs the tests (only the ones it has can run the result), into a library of its own name, from
+    every source in the package: each entry point the loader knows is in it."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
-    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}-{vnni}.so")
-    assert set(gemv.VECTORS[cpu]) <= set(gemv.flags()) and ("-mavx512vnni" in gemv.flags()) == vnni
-    assert gemv.build().exists()
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / f"_gemv-{cpu}-{vnni}.so")
+    assert set(build.VECTORS[cpu]) <= set(build.flags()) and ("-mavx512vnni" in build.flags()) == vnni
+    here = Path(build.__file__).parent
+    assert build.SOURCES == sorted(here.glob("*.c")) and len(build.SOURCES) >= 5 and build.HEADERS
+    library = build.build()
+    defined = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert set(build.FUNCTIONS) <= set(defined)
+    assert {name for name in defined if name.startswith("tformer_")} == set(build.FUNCTIONS)   # no more, none hidden
+
+
+def test_the_library_name_covers_every_source_and_header(monkeypatch, tmp_path):
+    """A change to any one file the library is built from gives it another name: never an old build."""
+    copies = []
+    for path in build.SOURCES + build.HEADERS:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+        copies.append(tmp_path / path.name)
+    monkeypatch.setattr(build, "SOURCES", [c for c in copies if c.suffix == ".c"])
+    monkeypatch.setattr(build, "HEADERS", [c for c in copies if c.suffix == ".h"])
+    names = {build.library_path().name}
+    for copy in copies:
+        copy.write_bytes(copy.read_bytes() + b"\n")
+        names.add(build.library_path().name)
+    assert len(names) == len(copies) + 1
 
 
 def _runs(cpu: str) -> bool:
     have = torch.backends.cpu.get_cpu_capability()
-    return gemv.unsupported() is None and (cpu == "AVX2" or have in ("AVX512", "AMX"))
+    return build.unsupported() is None and (cpu == "AVX2" or have in ("AVX512", "AMX"))
 
 
-@pytest.mark.parametrize("cpu", sorted(set(gemv.VECTORS) - {"AMX"}))
+@pytest.mark.parametrize("cpu", sorted(set(build.VECTORS) - {"AMX"}))
 def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
     blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), the
@@ -133,10 +156,10 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     int8_x = [torch.randn(rows, 103) for rows in (1, 3, 8, 64)]
     int8_here = [gemv.gemv8(gemv.pack8(q, scales), x, None, 37) for x in int8_x] if gemv.available() else None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
-    monkeypatch.setattr(gemv, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
-    gemv._function.cache_clear()
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
+    build.function.cache_clear()
     try:
-        gemv.build()
+        build.build()
         assert gemv.bf16_paired() == (cpu == "AVX2")
         torch.manual_seed(0)
         n, k = 100, 40
@@ -158,7 +181,7 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
             ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
             torch.testing.assert_close(steps(model, ids, 3, True), steps(model, ids, 3, False), rtol=1e-4, atol=1e-4)
     finally:
-        gemv._function.cache_clear()
+        build.function.cache_clear()
 
 
 def test_plans_without_the_kernel_are_onednns(monkeypatch):

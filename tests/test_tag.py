@@ -128,7 +128,8 @@ def hand_tokenizer():
 
 def test_subword_alignment_by_hand():
     """The first piece of each word carries its label; later pieces, [bos] and [eos] are ignored."""
-    from tformer.tasks.words import IGNORE, encode_words, targets
+    from tformer.evaluation.words import encode_words
+    from tformer.tasks.tag import IGNORE, targets
 
     words = ["Ed", "Miliband", "flew", "to", "Paris", "'s"]
     #          <bos> ed mil ##iba ##nd flew to par ##is ' s <eos>
@@ -144,7 +145,7 @@ def test_subword_alignment_by_hand():
 
 
 def test_words_take_the_label_of_their_first_piece_and_cut_words_are_o():
-    from tformer.tasks.tag import decode
+    from tformer.evaluation.tag import decode
 
     names = ["O", "B-PER", "I-PER"]
     logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0]])  # two words seen: B-PER, I-PER
@@ -156,7 +157,7 @@ def test_entity_spans_follow_seqeval():
     ill-formed ones (I- after O, type changes) included."""
     from seqeval.metrics.sequence_labeling import get_entities
 
-    from tformer.tasks.words import entity_spans
+    from tformer.evaluation.words import entity_spans
 
     rng = random.Random(0)
     tags = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

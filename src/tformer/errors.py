@@ -1,4 +1,7 @@
-"""Errors a user can act on. The CLI prints them as one line `error: ...` and exits with code 2."""
+"""Errors a user can act on. The CLI prints them as one line `error: ...` and exits with code 2.
+A warning (`warn`) is one line `warning: ...` on stderr, and the work goes on."""
+
+import sys
 
 
 class TformerError(Exception):
@@ -16,3 +19,7 @@ class CheckpointError(TformerError):
 
 class DataError(TformerError):
     """Input data that cannot be used: missing, empty, undecodable, wrong columns."""
+
+
+def warn(message: str) -> None:
+    sys.stderr.write(f"warning: {message}\n")

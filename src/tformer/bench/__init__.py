@@ -129,7 +129,7 @@ def _check(r: dict) -> str:
 def write_json(result: dict, path: str) -> None:
     from pathlib import Path
 
-    from ..checkpoints.format import write_json_atomic
+    from ..checkpoints.files import write_json_atomic
     write_json_atomic(Path(path), result)
 
 

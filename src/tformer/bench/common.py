@@ -72,10 +72,10 @@ class PeerProcess:
     its calls still interleave with tformer's (interleaved_times) without sharing a process with it.
 
     Why: CTranslate2 brings its own threading runtime (OpenMP); once it has run in a process, tformer's
-    decoding in that process is up to a third slower, and once torch has run in a process CTranslate2
-    is a quarter slower there (BENCHMARKS.md, "The peers share the process" and "Each engine in its
-    own process"): one process would measure the co-tenancy, not the engines. `factory(*args)` runs
-    in the child and returns the function each call runs there; arguments and results travel by pipe."""
+    decoding in that process is slower, and once torch has run in a process CTranslate2 is slower there
+    (BENCHMARKS.md, "Each engine in its own process"): one process would measure the co-tenancy, not
+    the engines. `factory(*args)` runs in the child and returns the function each call runs there;
+    arguments and results travel by pipe."""
 
     def __init__(self, factory: Callable[..., Callable], *args):
         ctx = multiprocessing.get_context("spawn")        # a fresh interpreter: no torch state inherited

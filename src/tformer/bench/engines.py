@@ -106,7 +106,8 @@ def ct2_convert(hf_dir: Path | str, out: Path | str, dtype: str) -> str:
 
 def ct2_converter() -> Callable:
     """For a PeerProcess of its own: the conversion runs torch (it reads the HF model), and torch having
-    run in the process that then runs CTranslate2 slows CTranslate2 down by a quarter (BENCHMARKS.md)."""
+    run in the process that then runs CTranslate2 slows CTranslate2 down (BENCHMARKS.md, "Each engine in
+    its own process")."""
     return ct2_convert
 
 

@@ -3,8 +3,9 @@
 translator with separate source and target vocabularies). Loading never executes code.
 
 Writes are atomic: everything goes into a hidden temporary directory next to the target, which
-is renamed into place only when complete. This module knows one checkpoint; where the checkpoints
-of a training run are (`load(run_dir)`), tformer.checkpoints.layout says.
+is renamed into place only when complete (tformer.checkpoints.files.atomic_dir). This module knows
+one checkpoint; where the checkpoints of a training run are (`load(run_dir)`), tformer.checkpoints.layout
+says.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..errors import CheckpointError, TformerError
 from ..model.config import ModelConfig
 from ..model.heads import EncoderClassifier, EncoderTokenClassifier
 from ..model.models import Decoder, Encoder, EncoderDecoder
+from .files import atomic_dir, write_json_atomic
 from .layout import CONFIG, resolve
 
 FORMAT = "tformer"
@@ -71,27 +71,6 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def replace_dir(tmp: Path, path: Path) -> None:
-    """Move the finished directory `tmp` to `path`, replacing an existing one. The old copy is moved
-    aside first and deleted last, so a crash at any moment leaves one complete directory."""
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[str, Any] | None = None,
          extra_files: dict[str, bytes] | None = None, source_tokenizer=None) -> Path:
     """Write `model` (and its tokenizer, anything with `.save(path)` writing tokenizer.json) to `path`.
@@ -103,10 +82,7 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
     arch = type(model).__name__
     if arch not in ARCHITECTURES:
         raise TypeError(f"cannot save a {arch}; expected one of {', '.join(ARCHITECTURES)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with atomic_dir(path) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
         save_file(state, str(tmp / WEIGHTS))
         files = {WEIGHTS: sha256(tmp / WEIGHTS)}
@@ -124,10 +100,6 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
         if model.kind == "classifier":
             config["pooling"] = model.pooling
         write_json_atomic(tmp / CONFIG, config)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

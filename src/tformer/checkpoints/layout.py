@@ -8,6 +8,7 @@
     RUN/best/                              with --keep-best: the model of the evaluation with the best
                                            `best_metric` (its record in config.json meta["best"])
 
+A run given no directory goes to runs/<task>-<date>-<time> (`default_run_dir`).
 `tformer.load(RUN)` takes best/ when there is one, else the newest complete step-*; `--resume RUN`
 always the newest step-* (best/ holds the best model, not where training stopped). Writes are atomic:
 a checkpoint is built in a hidden `.step-*` / `.best.*` directory and renamed into place, so hidden
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -33,6 +35,12 @@ OPTIMIZER = "optimizer.safetensors"
 RNG = "rng.safetensors"
 EMA = "ema.safetensors"
 STEP_DIR = re.compile(r"step-\d{7}")
+RUNS = "runs"  # where a run goes when no directory is given: runs/<task>-<date>-<time>
+
+
+def default_run_dir(task: str) -> str:
+    """The directory of a new run of `task` when none is given: runs/<task>-YYYYMMDD-HHMMSS (local time)."""
+    return f"{RUNS}/{task}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def checkpoint_dir(run: Path, step: int) -> Path:

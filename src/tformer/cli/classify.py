@@ -31,9 +31,8 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from tformer.errors import ConfigError
-    from tformer.tasks.classify import encode_texts, predict_proba
-    from tformer.tasks.common import warn
+    from tformer.errors import ConfigError, warn
+    from tformer.evaluation.classify import encode_texts, predict_proba
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be at least 1")

@@ -14,7 +14,7 @@ import time
 
 # What the demo sets itself; the rest is `tformer train`'s recipe for hamlet (tformer.tasks.lm.HAMLET).
 DEMO = dict(task="lm", data="hamlet", time_budget=300.0, seed=1337, prompt="HAMLET:\n")
-SAMPLES = [  # (what, generation settings)
+SAMPLES = [  # (what, generation settings): three deliberate variations on sampled text's defaults
     ("temperature 0.8, top-k 50", dict(temperature=0.8, top_k=50, top_p=None)),
     ("temperature 1.0, top-p 0.9", dict(temperature=1.0, top_k=None, top_p=0.9)),
     ("temperature 0.5, top-k 10, top-p 0.95", dict(temperature=0.5, top_k=10, top_p=0.95)),
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
           f"best validation loss {result.best_val_loss:.4f} nats/char "
           f"(mean cross-entropy over the whole validation text)\n")
     for what, settings in SAMPLES:
-        text = sample_text(model, task.tokenizer, args.prompt, max_new_tokens=200, seed=1, **settings)
+        text = sample_text(model, task.tokenizer, args.prompt, seed=1, **settings)   # TEXT_DEFAULTS' length
         print(f"--- sample ({what}) ---\n{text}\n")
     run = result.run_dir
     print(f"checkpoint:  {result.best_checkpoint or result.checkpoint}")

@@ -10,6 +10,8 @@ fraction, seed), so the scores are on data the model never trained on. With --da
 (language model), a CSV/TSV/JSONL table (classifier), a TSV/JSONL of pairs (translator) or a CoNLL
 file of `word label` lines (tagger), scored whole.
 """
+# What to score is the task's to say (its `heldout`, found through the task registry); how to score
+# it is the evaluation layer's, which `tformer classify/tag/translate` and the server share.
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import math
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import positive_int
+
+# The task that trains each kind of model, and so says how its held-out split was built.
+TASK_OF_KIND = {"decoder": "lm", "classifier": "classify", "tagger": "tag", "encoder-decoder": "translate"}
 
 
 def register(sub) -> None:
@@ -40,6 +45,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from tformer.checkpoints.format import load, load_tokenizer, read_config
     from tformer.errors import ConfigError
+    from tformer.training.config import task_class
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--num-beams and --limit must be at least 1")
@@ -52,7 +58,7 @@ def run(args) -> int:
                           "EncoderClassifier, EncoderTokenClassifier or EncoderDecoder")
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
-    result, extra = scorers[model.kind](model, tokenizer, meta, args)
+    result, extra = scorers[model.kind](model, tokenizer, meta, args, task_class(TASK_OF_KIND[model.kind]))
     if args.json:
         print(json.dumps(result))
     else:
@@ -66,19 +72,15 @@ def _limit(items, n):
     return items if n is None else items[:n]
 
 
-def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
+def eval_lm(model, tokenizer, meta, args, task) -> dict[str, float]:
     import torch
 
-    from tformer.data.files import read_text, split_text
     from tformer.errors import ConfigError
-    from tformer.tasks.lm import mean_loss
+    from tformer.evaluation.lm import mean_loss
 
-    if args.data is not None:
-        text = read_text(args.data)
-    else:
-        if "data" not in meta:
-            raise ConfigError(f"{args.model} does not record its training data; pass --data")
-        text = split_text(read_text(meta["data"]), meta.get("val_fraction", 0.1))[1]
+    text = task.heldout(meta, args.data)
+    if text is None:
+        raise ConfigError(f"{args.model} does not record its training data; pass --data")
     context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     ids = torch.tensor(_limit(tokenizer.encode(text), args.limit), dtype=torch.long)
     if len(ids) < 2:
@@ -87,21 +89,12 @@ def eval_lm(model, tokenizer, meta, args) -> dict[str, float]:
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def eval_classifier(model, tokenizer, meta, args):
+def eval_classifier(model, tokenizer, meta, args, task):
     from tformer.errors import DataError
-    from tformer.tasks.classify import format_confusion, load_data, score, split
+    from tformer.evaluation.classify import format_confusion, score
 
-    held = meta.get("heldout", {})
-    columns = (args.text_column or held.get("text_column", "text"),
-               args.label_column or held.get("label_column", "label"))
     labels = model.labels or meta.get("labels")
-    if args.data is not None:
-        data = load_data(args.data, *columns)
-        texts, names = data.texts, data.labels
-    else:
-        data = load_data(held.get("data", "rotten-tomatoes"), *columns)
-        _, val_idx = split(data, held.get("val_fraction", 0.1), held.get("seed", 0))
-        texts, names = [data.texts[i] for i in val_idx], [data.labels[i] for i in val_idx]
+    texts, names = task.heldout(meta, args.data, args.text_column, args.label_column)
     unknown = sorted(set(names) - set(labels))
     if unknown:
         raise DataError(f"label(s) {', '.join(map(repr, unknown))} were not in the model's training data "
@@ -114,14 +107,11 @@ def eval_classifier(model, tokenizer, meta, args):
             format_confusion(s["confusion"], labels))
 
 
-def eval_tagger(model, tokenizer, meta, args):
+def eval_tagger(model, tokenizer, meta, args, task):
     from tformer.evaluation.metrics import entity_report
-    from tformer.tasks.tag import check_labels, label_names, load_data, score, select, split
+    from tformer.evaluation.tag import check_labels, label_names, score
 
-    held = meta.get("heldout", {})
-    data = load_data(args.data or held.get("data", "wnut16"))
-    if args.data is None:
-        data = select(data, split(data, held.get("val_fraction", 0.1), held.get("seed", 0))[1])
+    data = task.heldout(meta, args.data)
     check_labels(data, label_names(model), args.data or data.name)
     words, labels = _limit(data.words, args.limit), _limit(data.labels, args.limit)
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
@@ -129,22 +119,14 @@ def eval_tagger(model, tokenizer, meta, args):
     return {k: s[k] for k in ("val_loss", "precision", "recall", "f1")}, entity_report(s["predicted"], labels)
 
 
-def eval_translator(model, tokenizer, meta, args):
+def eval_translator(model, tokenizer, meta, args, task):
     from tformer.checkpoints.format import load_source_tokenizer
+    from tformer.evaluation.translate import score
     from tformer.inference.limits import check_generation
-    from tformer.tasks.translate import load_split, score
 
-    held = meta.get("heldout", {})
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     check_generation(model.cfg, args.num_beams, max_len, fix="lower --num-beams")  # before any work
-    data = args.data or held.get("data", "numbers-fr-en")
-    if args.data is not None and args.data not in ("numbers-fr-en", "bible-en-es"):
-        from tformer.data import corpora
-        pairs = corpora.read_pairs(args.data)
-        sources, targets = pairs.sources, pairs.targets
-    else:
-        _, (sources, targets), _ = load_split(data, held.get("val_fraction", 0.1), held.get("seed", 0),
-                                              held.get("heldout_numbers", 1000))
+    sources, targets = task.heldout(meta, args.data)
     sources, targets = _limit(sources, args.limit), _limit(targets, args.limit)
     s = score(model, tokenizer, sources, targets, max_len, num_beams=args.num_beams,
               source_tokenizer=load_source_tokenizer(args.model))

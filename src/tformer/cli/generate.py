@@ -3,8 +3,9 @@
     tformer generate --model runs/shakespeare --prompt "To be, or not" --max-new-tokens 200 --seed 0
     echo "ROMEO:" | tformer generate --model runs/shakespeare --prompt - --stop $'\\n\\n'
 
-Sampling defaults: temperature 0.8, top-k 50, top-p 0.95 (a common balance between variety and
-coherence); --greedy picks the most likely token each step; --num-beams N runs beam search.
+Sampling defaults: those of sampled text, tformer.generation.settings.TEXT_DEFAULTS (the LM task's
+progress samples use them too; --help shows them); --greedy picks the most likely token each step;
+--num-beams N runs beam search.
 """
 
 from __future__ import annotations
@@ -13,38 +14,40 @@ import sys
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import nonneg_float, nonneg_int, positive_float, positive_int, probability, seed, unit_open_closed
+from tformer.generation.settings import TEXT_DEFAULTS as DEFAULTS
 
-DEFAULTS = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help=COMMANDS["generate"],
                        description=COMMANDS["generate"] + ", streaming the text to stdout",
-                       epilog="Sampling defaults: --temperature 0.8 --top-k 50 --top-p 0.95.")
+                       epilog=f"Sampling defaults: --temperature {DEFAULTS.temperature} --top-k {DEFAULTS.top_k} "
+                              f"--top-p {DEFAULTS.top_p}.")
     p.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint directory or run directory (its newest checkpoint); must contain tokenizer.json")
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
     p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N",
-                   help=f"stop after N new tokens (default {DEFAULTS['max_new_tokens']}); "
+                   help=f"stop after N new tokens (default {DEFAULTS.max_new_tokens}); "
                         "a decoder whose context fills "
                         f"up continues from the last half-context of text")
-    p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS["temperature"], metavar="T",
+    p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS.temperature, metavar="T",
                    help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
                         "(default %(default)s)")
-    p.add_argument("--top-k", type=nonneg_int, default=DEFAULTS["top_k"], metavar="K",
+    p.add_argument("--top-k", type=nonneg_int, default=DEFAULTS.top_k, metavar="K",
                    help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
-    p.add_argument("--top-p", type=unit_open_closed, default=DEFAULTS["top_p"], metavar="P",
+    p.add_argument("--top-p", type=unit_open_closed, default=DEFAULTS.top_p, metavar="P",
                    help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
                         "(default %(default)s)")
-    p.add_argument("--min-p", type=probability, default=None, metavar="P",
-                   help="drop tokens less likely than P times the most likely one (default off)")
-    p.add_argument("--repetition-penalty", type=positive_float, default=1.0, metavar="R",
-                   help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical (default 1)")
-    p.add_argument("--num-beams", type=positive_int, default=1, metavar="N",
+    p.add_argument("--min-p", type=probability, default=DEFAULTS.min_p, metavar="P",
+                   help=f"drop tokens less likely than P times the most likely one (default {DEFAULTS.min_p or 'off'})")
+    p.add_argument("--repetition-penalty", type=positive_float, default=DEFAULTS.repetition_penalty, metavar="R",
+                   help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical "
+                        "(default %(default)g)")
+    p.add_argument("--num-beams", type=positive_int, default=DEFAULTS.num_beams, metavar="N",
                    help="beam search with N beams: the most likely continuation; sampling flags are ignored and the "
-                        "text is printed at the end (default 1)")
+                        "text is printed at the end (default %(default)s)")
     p.add_argument("--seed", type=seed, default=None,
                    help="random seed: the same seed gives the same text (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -60,6 +63,7 @@ def run(args) -> int:
     from tformer.checkpoints.format import load, load_source_tokenizer, load_tokenizer
     from tformer.errors import TformerError
     from tformer.generation import eos_ids, generate, prompt_ids, stream_text
+    from tformer.generation.sampling import make_generator
 
     prompt = args.prompt
     if prompt == "-":
@@ -75,7 +79,7 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     source_tokenizer = load_source_tokenizer(args.model)  # an encoder-decoder whose source has its own vocabulary
     reader = source_tokenizer or tokenizer                # what reads the prompt
-    max_new = DEFAULTS["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens
+    max_new = DEFAULTS.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     if max_new > MAX_NEW_TOKENS:
         raise TformerError(f"--max-new-tokens {max_new} is more than {MAX_NEW_TOKENS:,} (ask for less; for more "
                            f"text, run generate again on the end of its output)")
@@ -88,7 +92,8 @@ def run(args) -> int:
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
                    eos_token_id=eos_ids(model, tokenizer=tokenizer))
-    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    # one generator for the whole text: the sliding window's rounds continue its sequence
+    generator = make_generator(args.seed, next(model.parameters()).device) if args.seed is not None else None
     from tformer.inference.limits import check_generation
     check_generation(model.cfg, args.num_beams, min(model.cfg.max_seq_len, len(reader.encode(prompt)) + max_new))
     # Build the generator (which checks every argument) before printing anything.

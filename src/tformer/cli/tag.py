@@ -32,9 +32,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from tformer.cli.common import load_task_model, read_inputs
-    from tformer.tasks.common import warn
-    from tformer.tasks.tag import predict_tags
-    from tformer.tasks.words import encode_words, format_entities, split_words
+    from tformer.errors import warn
+    from tformer.evaluation.tag import predict_tags
+    from tformer.evaluation.words import encode_words, format_entities, split_words
 
     texts = read_inputs(args.texts)
     model, tokenizer, max_len, _ = load_task_model(args.model, "tagger", "a tagger", "tag")

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from tformer.cli import COMMANDS
 from tformer.errors import ConfigError
-from tformer.training.options import CHANGE, ONCE, add_flags, pick, resume_rule
+from tformer.training.options import add_flags
 
 
 def register(sub) -> None:
@@ -36,8 +35,8 @@ def register(sub) -> None:
         except ConfigError:
             continue  # a task that is not installed adds no flags; choosing it reports why
         add_flags(_Shared(p, p, name).add_argument_group(options.title), options, skip=TrainOptions)
-    # Every option flag defaults to None, "not given": `prepare` fills it from the task's recipe for
-    # the data and time budget, else from the option field's default (tformer.training.config.resolve_options).
+    # Every option flag defaults to None, "not given": tformer.training.session fills it (on --resume from the
+    # saved run; else from the task's recipe for the data and time budget, else from the option field's default).
     p.set_defaults(func=run, _parser=p, **{dest: None for dest in _option_dests(p)})
 
 
@@ -71,70 +70,29 @@ class _Shared:
         return getattr(self.target, name)
 
 
-def explicit_args(args, parser) -> set[str]:
-    return {k for k, v in vars(args).items() if not k.startswith("_") and v != parser.get_default(k)}
-
-
-def settings(args) -> tuple[argparse.Namespace, str | None]:
-    """The effective arguments: on --resume, the saved run's, updated with the flags given now."""
-    if not args.resume:
-        return args, None
-    from tformer.checkpoints.layout import run_dir_of
-    from tformer.training.config import TrainOptions
-    from tformer.training.rundir import read_trainer_state
-
-    ckpt, state = read_trainer_state(args.resume)
-    given = explicit_args(args, args._parser) - {"resume", "out"}
-    changeable = resume_rule(TrainOptions, CHANGE) | resume_rule(TrainOptions, ONCE)
-    clash = sorted(given - changeable - {"debug", "command", "func"})
-    if clash:
-        raise ConfigError(f"--resume continues the saved run; these flags cannot change: "
-                          f"{', '.join('--' + c.replace('_', '-') for c in clash)}")
-    once = resume_rule(TrainOptions, ONCE)  # apply to one invocation only, never inherited by --resume
-    saved = {k: v for k, v in state.get("args", {}).items() if k not in once}
-    merged = argparse.Namespace(**{**vars(args), **saved, **{k: getattr(args, k) for k in given}})
-    merged.out, merged.resume = str(run_dir_of(ckpt)), str(ckpt)
-    return merged, str(ckpt)
+def options(args) -> dict:
+    """The parsed option flags (None: not given), as tformer.training.session takes them."""
+    return {dest: getattr(args, dest) for dest in _option_dests(args._parser)}
 
 
 def prepare(args):
-    """(task, TrainConfig, resume checkpoint or None, arguments to save, what the task's recipe chose)
-    from parsed `train` flags."""
-    from tformer.training.config import TrainConfig, resolve_options, task_class
+    """The run of parsed `train` flags (tformer.training.session.prepare: resume merging, default budget
+    and run directory, the task's recipe): a Plan, (task, TrainConfig, resume checkpoint or None,
+    arguments to save, what the task's recipe chose)."""
+    from tformer.training.session import prepare as plan
 
-    args, resume = settings(args)
-    if args.max_steps is None and args.time_budget is None:
-        args.time_budget = 300.0
-    if args.out is None:
-        args.out = f"runs/{args.task or 'lm'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cls = task_class(args.task or "lm")
-    given = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "resume")}
-    values, chosen = resolve_options(cls, given)
-    cfg = pick(TrainConfig, values)
-    cfg.check()
-    tokenizers = {}
-    if resume:
-        from tformer.checkpoints.format import load_source_tokenizer, load_tokenizer
-        tokenizers["tokenizer"] = load_tokenizer(resume)
-        source = load_source_tokenizer(resume)
-        if source is not None:  # only a translator with separate vocabularies has one
-            tokenizers["source_tokenizer"] = source
-    task = cls(pick(cls.Options, values), **tokenizers, init=None if resume else values.get("init"))
-    from tformer.inference.limits import check_task
-    check_task(task, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
-    saved = {k: v for k, v in values.items() if k in given}
-    return task, cfg, resume, saved, ({} if resume else chosen)
+    return plan(**options(args))
 
 
 def run(args) -> int:
     from tformer.training.config import describe_recipe
-    from tformer.training.loop import fit
 
-    task, cfg, resume, saved, chosen = prepare(args)
-    if chosen and os.environ.get("RANK", "0") == "0":
-        print(f"defaults for --task {task.name} on {saved['data']}: {describe_recipe(chosen)}  "
+    plan = prepare(args)
+    task = plan.task
+    if plan.chosen and os.environ.get("RANK", "0") == "0":
+        print(f"defaults for --task {task.name} on {plan.args['data']}: {describe_recipe(plan.chosen)}  "
               "(the task's recipe; any flag overrides it)", flush=True)
-    result = fit(task, cfg, resume=resume, command=list(sys.argv), args=saved)
+    result = plan.fit(command=list(sys.argv))
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
         return 0
     from tformer.checkpoints.layout import METRICS, PLOT

@@ -27,9 +27,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from tformer.checkpoints.format import load_source_tokenizer
-    from tformer.errors import ConfigError
-    from tformer.tasks.common import warn
-    from tformer.tasks.translate import encode_pairs, translate
+    from tformer.errors import ConfigError, warn
+    from tformer.evaluation.translate import encode_pairs, translate
 
     if args.num_beams < 1 or args.batch_size < 1:
         raise ConfigError("--num-beams and --batch-size must be at least 1")

@@ -1,8 +1,11 @@
 """Generation: turn a model's next-token logits into text, one token at a time.
 
     processors.py  temperature, top-k, top-p, min-p, repetition penalty, greedy, sample (pure functions)
+    sampling.py    choose (greedy or sampled, guarded against NaN / inf logits) and make_generator, for
+                   every caller: generate(), beam search, the server
     stopping.py    stop sequences (overlaps handled), stop strings, TextStream (UTF-8-safe increments)
-    settings.py    generate()'s arguments, checked once (Hugging Face's names and defaults)
+    settings.py    generate()'s arguments, checked once (Hugging Face's names and defaults), and every
+                   caller's decoding defaults (DEFAULTS, TEXT_DEFAULTS, OPENAI_DEFAULTS)
     stepper.py     one model.step per generation step: prefill + one-token decode with the KV cache
     prepare.py     before the first step: the encoder run once, or left padding; rows repeated
     decoding.py    generate() / stream(): the greedy and sampling loop
@@ -27,12 +30,13 @@ from .processors import (
     top_k_filter,
     top_p_filter,
 )
-from .settings import eos_ids
+from .sampling import choose, make_generator
+from .settings import DEFAULTS, OPENAI_DEFAULTS, TEXT_DEFAULTS, eos_ids
 from .stopping import TextStream, sequence_hits
 from .text import prompt_ids, stream_text, windowed
 
 __all__ = [
     "generate", "stream", "stream_text", "windowed", "eos_ids", "prompt_ids", "TextStream", "sequence_hits",
     "apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter",
-    "process_logits", "greedy", "sample",
+    "process_logits", "greedy", "sample", "choose", "make_generator", "DEFAULTS", "TEXT_DEFAULTS", "OPENAI_DEFAULTS",
 ]

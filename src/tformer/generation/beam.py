@@ -12,7 +12,9 @@ Keep K = num_beams running hypotheses per input. Each step:
      K hypotheses are finished).
 
 Scores are log-probabilities, so the sum over a hypothesis is its log-likelihood. Arithmetic,
-the -1e9 sentinels included, follows HF step by step so ties break the same way.
+the -1e9 sentinels included, follows HF step by step so ties break the same way. Non-finite logits
+get generate()'s guard (sampling.guarded): NaN is never a candidate, +inf is the largest float, and
+a beam with nothing finite continues with the argmax of its logits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from .prepare import Prepared
 from .processors import process_logits
+from .sampling import guarded
 from .settings import Settings
 from .stopping import sequence_hits, string_hits
 
@@ -60,7 +63,7 @@ def beam_search(p: Prepared, s: Settings, batch_size: int, generator: torch.Gene
     batch_offset = torch.arange(B, device=device)[:, None] * K                   # (B, 1)
 
     for cur in range(t0, max_len):
-        logits = p.stepper.next_logits(running.view(B * K, max_len), cur).float()   # (B*K, V)
+        logits = guarded(p.stepper.next_logits(running.view(B * K, max_len), cur).float())   # (B*K, V)
 
         # 1-2. the best `keep` continuations over all beams of each input
         if sampling or seen is not None:
@@ -139,9 +142,9 @@ CHUNK = 128
 
 def top_k_indices(x: Tensor, k: int) -> Tensor:
     """torch.topk(x, k).indices for x (R, V), k << V, in two cheap passes instead of a partial sort
-    of every row (4x faster on (64, 32000)): the k largest values lie in the k chunks of CHUNK
-    columns with the largest maxima (a chunk holding the j-th largest value has at most j - 1
-    chunks with a larger maximum), so only those k·CHUNK columns are sorted."""
+    of every row (faster at beam search's shapes; BENCHMARKS.md, "Kernels"): the k largest values
+    lie in the k chunks of CHUNK columns with the largest maxima (a chunk holding the j-th largest
+    value has at most j - 1 chunks with a larger maximum), so only those k·CHUNK columns are sorted."""
     R, V = x.shape
     n = V // CHUNK
     if n < 4 * k:

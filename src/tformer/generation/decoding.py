@@ -20,7 +20,8 @@ from ..errors import ConfigError
 from ..model.linear import plan_decoding
 from .beam import beam_search
 from .prepare import Prepared, prepare
-from .processors import greedy, process_logits, sample
+from .processors import process_logits
+from .sampling import choose, make_generator
 from .settings import Settings, make_settings
 from .stopping import sequence_hits, string_hits
 
@@ -41,10 +42,10 @@ def sample_steps(p: Prepared, s: Settings, generator: torch.Generator | None) ->
             tokens = p.stepper.next_greedy(seqs, cur)                           # (N,)
         else:
             logits = p.stepper.next_logits(seqs, cur).float()                   # (N, V)
-            logits = process_logits(logits, p.seen, do_sample=not do_greedy, temperature=s.temperature,
-                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                    repetition_penalty=s.repetition_penalty)
-            tokens = greedy(logits) if do_greedy else sample(logits, generator)  # (N,)
+            processed = process_logits(logits, p.seen, do_sample=not do_greedy, temperature=s.temperature,
+                                       top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                       repetition_penalty=s.repetition_penalty)
+            tokens = choose(processed, not do_greedy, generator, raw=logits)    # (N,), NaN / inf guarded
         if check_stop:
             tokens = torch.where(unfinished, tokens, s.pad_token_id)
         seqs[:, cur] = tokens
@@ -130,11 +131,4 @@ def _inference(steps: Iterator[Tensor]) -> Iterator[Tensor]:
 
 
 def _generator(generator: torch.Generator | None, seed: int | None, device) -> torch.Generator:
-    if generator is not None:
-        return generator
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()                     # fresh non-deterministic seed, without touching torch's global RNG
-    else:
-        g.manual_seed(seed)
-    return g
+    return generator if generator is not None else make_generator(seed, device)

@@ -61,8 +61,8 @@ def min_p_filter(logits: Tensor, min_p: float, min_tokens_to_keep: int = 1) -> T
 
 def greedy(logits: Tensor) -> Tensor:
     """(B, V) -> (B,) the most likely token of each row (the first of equals; NaN counts as the
-    largest). fp32 on the CPU goes through NumPy, whose argmax is 6-10x faster than PyTorch's here
-    (GPT-2's 50,257 logits: 7 against 44 µs for one row, 29 against 307 µs for eight), the same rule."""
+    largest). fp32 on the CPU goes through NumPy, whose argmax is several times faster than PyTorch's
+    over a vocabulary's logits (BENCHMARKS.md, "Kernels"), with the same rule."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)

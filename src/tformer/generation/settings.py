@@ -1,26 +1,60 @@
-"""The arguments of generate(), checked once, with Hugging Face's names, meanings and defaults."""
+"""The arguments of generate(), checked once, with Hugging Face's names, meanings and defaults; and
+the decoding defaults of every caller, stated here once.
+
+    DEFAULTS         generate() / stream() / beam search: Hugging Face's
+    TEXT_DEFAULTS    `tformer generate` and the LM task's progress samples: sampled text
+    OPENAI_DEFAULTS  the server (serve/schemas.py, serve/scheduler.py): OpenAI's documented ones
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Defaults:
+    """One caller's decoding defaults (generate()'s names). top_k / min_p None: that filter is off."""
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float
+    min_p: float | None
+    repetition_penalty: float
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+    num_return_sequences: int
+
+
+DEFAULTS = Defaults(max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=None,
+                    repetition_penalty=1.0, num_beams=1, length_penalty=1.0, early_stopping=False,
+                    num_return_sequences=1)
+# Sampled text: a common balance between variety and coherence (a little sharper than the model's
+# distribution, without its least likely tail), and long enough to read.
+TEXT_DEFAULTS = replace(DEFAULTS, max_new_tokens=200, do_sample=True, temperature=0.8, top_p=0.95)
+# OpenAI's API: max_tokens 16 (completions), temperature 1 and top_p 1 (the model's own distribution);
+# it has no top-k, so tformer's top_k is off unless a request sets it.
+OPENAI_DEFAULTS = replace(DEFAULTS, max_new_tokens=16, do_sample=True, top_k=None)
+_D = DEFAULTS   # short, for the defaults below
+
+
 @dataclass
 class Settings:
-    """The arguments of generate(), checked. Defaults are HF's."""
-    max_new_tokens: int = 20
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = 50
-    top_p: float = 1.0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_return_sequences: int = 1
+    """The arguments of generate(), checked. Defaults are HF's (DEFAULTS)."""
+    max_new_tokens: int = _D.max_new_tokens
+    do_sample: bool = _D.do_sample
+    temperature: float = _D.temperature
+    top_k: int | None = _D.top_k
+    top_p: float = _D.top_p
+    min_p: float | None = _D.min_p
+    repetition_penalty: float = _D.repetition_penalty
+    num_beams: int = _D.num_beams
+    length_penalty: float = _D.length_penalty
+    early_stopping: bool | str = _D.early_stopping
+    num_return_sequences: int = _D.num_return_sequences
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int = 0
     stop_sequences: list[list[int]] = field(default_factory=list)
@@ -72,18 +106,19 @@ def eos_ids(model, eos_token_id=None, tokenizer=None) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else [int(i) for i in eos]
 
 
-def make_settings(model, *, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
-                  min_p=None, repetition_penalty=1.0, num_beams=1, length_penalty=1.0, early_stopping=False,
-                  num_return_sequences=1, eos_token_id=None, pad_token_id=None, stop_sequences=None,
-                  stop_strings=None, tokenizer=None, use_cache=True) -> Settings:
+def make_settings(model, *, max_new_tokens=_D.max_new_tokens, do_sample=_D.do_sample, temperature=_D.temperature,
+                  top_k=_D.top_k, top_p=_D.top_p, min_p=_D.min_p, repetition_penalty=_D.repetition_penalty,
+                  num_beams=_D.num_beams, length_penalty=_D.length_penalty, early_stopping=_D.early_stopping,
+                  num_return_sequences=_D.num_return_sequences, eos_token_id=None, pad_token_id=None,
+                  stop_sequences=None, stop_strings=None, tokenizer=None, use_cache=True) -> Settings:
     """eos_token_id / pad_token_id default to the model config's (pass eos_token_id=[] for none);
     finished rows are padded with pad_token_id, else the first EOS id, else 0."""
     cfg = model.cfg
     # None means "the default", as in HF (top_k=None: no top-k filter)
-    temperature = 1.0 if temperature is None else temperature
-    top_p = 1.0 if top_p is None else top_p
-    repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
-    length_penalty = 1.0 if length_penalty is None else length_penalty
+    temperature = _D.temperature if temperature is None else temperature
+    top_p = _D.top_p if top_p is None else top_p
+    repetition_penalty = _D.repetition_penalty if repetition_penalty is None else repetition_penalty
+    length_penalty = _D.length_penalty if length_penalty is None else length_penalty
     eos = eos_ids(model, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else cfg.pad_token_id
     pad = pad if pad is not None else (eos[0] if eos else 0)

@@ -1,7 +1,8 @@
 """A GPT's decoding step in one call of tformer's kernel (gemv.gpt_step), where the model allows it.
 
-A decoding step of GPT-2 at batch 1 reads 417 MB of weights in ~16 ms on a 2-core CPU; layer by layer
-it also runs ~15 PyTorch ops and module calls per layer, ~5 ms more (BENCHMARKS.md). For a stack of
+A decoding step of GPT-2 at batch 1 is mostly reading its weights; layer by layer it also runs a dozen
+or more PyTorch ops and module calls per layer, a large share of the token on a 2-core CPU (BENCHMARKS.md,
+"Kernels"). For a stack of
 pre-LN blocks with LayerNorm, multi-head attention without rotary positions and a plain GELU/ReLU FFN
 (GPT-2, GPT-Neo-like shapes), every weight already on the gemv plan (fp32) or quantised to int8
 (quantize_int8: tformer's int8 kernel, quant.Gemv8), the whole step runs in C:
@@ -83,8 +84,8 @@ class GPTStep:
         return plan if isinstance(plan, (Gemv, Gemv8)) and plan.made_for(lin.weight) else None
 
     def _unchanged(self, caches: list[KVCache]) -> bool:
-        """The check each step (~0.1 ms for GPT-2, where building the table takes ~1.3 ms on a 2 GHz
-        core): the same caches, the same linear modules, weights (not changed in place since) and plans.
+        """The check each step (a small fraction of what building the table takes; BENCHMARKS.md,
+        "Kernels"): the same caches, the same linear modules, weights (not changed in place since) and plans.
         The norms' parameters and the biases are read where they were (the table keeps them alive)."""
         return (all(a is b for a, b in zip((t for c in caches for t in (c.k, c.v)), self.caches))
                 and all(modules[name] is lin and tensors["weight"] is w and lin.__dict__.get(kind) is plan
@@ -117,7 +118,7 @@ class GPTStep:
             rows.append(row + [cache.k.data_ptr(), cache.v.data_ptr()])
         self.table, self.kept = torch.tensor(rows, dtype=torch.int64), kept
         self.caches = [t for c in caches for t in (c.k, c.v)]
-        # nn.Module's own dicts: its attribute lookup (__getattr__) takes ~1.3 µs a time on a 2 GHz core.
+        # nn.Module's own dicts: its attribute lookup (__getattr__) is slow next to a dict lookup.
         self.watch = [(owner._modules, name, lin, lin._buffers if isinstance(lin, Int8Linear) else lin._parameters,
                        lin.weight, plan.version, "kernel" if isinstance(lin, Int8Linear) else "plan", plan)
                       for (owner, name, lin), plan in zip(owners, plans)]

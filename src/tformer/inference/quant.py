@@ -15,19 +15,20 @@ so the matmul runs on q directly and the scale is applied once per output. Two w
   x_mk ≈ r_m·a·(u_mk - z), u in [0, 127]. 7 bits, not 8: the AVX2 instruction that multiplies u8
   by s8 adds pairs into int16, which 8-bit inputs can overflow. Integer products need no
   conversion of the weights, so this is fast for decoding at any batch or beam count (one row:
-  reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md).
+  reading the int8 weights; tens of rows: integer instead of float arithmetic; BENCHMARKS.md,
+  "Against CTranslate2 and ONNX Runtime").
   Decoding steps of up to KERNEL_ROWS rows take tformer's own integer kernel instead where it is
-  built (`Gemv8`, gemv.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a step
+  built (`Gemv8`, kernels/gemv_int8.c): each row is rounded on its own range [min(x, 0), max(x, 0)] with a step
   of (max - min) / 128 (FBGEMM's for one row: / 127); it reads the weights faster than FBGEMM's
-  call (~16 against 11-14 GB/s on a 2-core Zen 1), needs none of the PyTorch ops around it (a beam
-  search of Marian: 12% less time), and a GPT's fused step (fused.py) runs whole int8 layers in C.
+  call, needs none of the PyTorch ops around it (a Marian beam search takes less time), and a GPT's
+  fused step (fused.py) runs whole int8 layers in C (BENCHMARKS.md, "Kernels").
   Inputs of more than INT8_MAX_ROWS rows (encoders, prompts: compute-bound) are not rounded to 7
-  bits, which would cost accuracy there (MiniLM's embeddings: cosine 0.96 to fp32). On a CPU with
-  bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
+  bits, which would cost accuracy there (MiniLM's embeddings; BENCHMARKS.md, "Int8 quality"). On a
+  CPU with bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
   significant bits), and the scales follow in fp32: x and the sum are rounded to bf16 (relative
   u = 2^-8 each, so |error| <= 2u·Σ_k |x_mk| s_n |q_nk| on top of the weights' — within the int8
-  inputs' bound below, as r_m/128 against r_m/127), at bf16's speed (MiniLM: 1.3x the
-  dequantised fp32 product, cosine to fp32 0.996). Elsewhere they multiply by the dequantised
+  inputs' bound below, as r_m/128 against r_m/127), at bf16's speed (for MiniLM faster than the
+  dequantised fp32 product, as accurate; same section). Elsewhere they multiply by the dequantised
   weight, as in weight-only mode.
 - activations="float" (weight-only): x stays in floating point; for a few rows on a CPU PyTorch's
   `_weight_int8pack_mm` converts q inside the dot product (fast for bf16 inputs on CPUs with
@@ -64,11 +65,11 @@ from ..model.linear import Plan
 ACTIVATIONS = ("int8", "float")
 # Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
 # hardly faster than the float GEMM on AVX2 while rounding the inputs costs accuracy (MiniLM's
-# embeddings, BENCHMARKS.md): such inputs multiply by the dequantised weight (weight-only error).
+# embeddings, BENCHMARKS.md, "Int8 quality"): such inputs multiply by the dequantised weight (weight-only error).
 INT8_MAX_ROWS = 256
 # Up to this many rows (decoding steps: a batch's rows, beams x sentences) tformer's int8 kernel runs
-# the product where it is built (Gemv8): FBGEMM's call costs ~0.3 ms more per product in the PyTorch
-# ops around it (each row's range), and the kernel's integer products are as fast.
+# the product where it is built (Gemv8): FBGEMM's call costs more per product in the PyTorch ops around
+# it (each row's range), and the kernel's integer products are as fast (BENCHMARKS.md, "Kernels").
 KERNEL_ROWS = 64
 
 
@@ -83,7 +84,8 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
 @functools.cache
 def dynamic_int8_available() -> bool:
     """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs); asked once (each
-    Int8Linear call checks it: ~4 µs a time on a 2 GHz core, 49 calls a GPT-2 token)."""
+    Int8Linear call checks it, 49 calls a GPT-2 token, and asking PyTorch each time cost measurable
+    time; BENCHMARKS.md, "Kernels")."""
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
@@ -104,10 +106,10 @@ class Packed8(Plan):
 
 
 class Gemv8(Plan):
-    """tformer's int8 kernel (gemv.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
+    """tformer's int8 kernel (kernels/gemv_int8.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
     own copy of q and the scales (gemv.pack8), for decoding steps of up to KERNEL_ROWS rows: it
-    reads the weights at ~16 GB/s where FBGEMM's call reads them at 11-14 on a 2-core Zen 1, and the
-    fused GPT step (fused.py) runs whole layers with it, without a Python call per product."""
+    reads the weights faster than FBGEMM's call (BENCHMARKS.md, "Kernels"), and the fused GPT step
+    (fused.py) runs whole layers with it, without a Python call per product."""
 
     def __init__(self, weight: Tensor, scales: Tensor):
         super().__init__(weight, rows=0)
@@ -148,7 +150,7 @@ class Int8Linear(nn.Module):
             xf = x2.float()
             if rows == 1:                # one row: FBGEMM's per-tensor range is the row's own
                 y = self._packed()(xf).to(x.dtype)
-            else:                        # (abs().amax is ~10x faster than aminmax on these shapes)
+            else:                        # (abs().amax is far faster than aminmax on these shapes)
                 r = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)         # (M, 1): each row's own range
                 y = self._packed()(xf / r).mul_(r).to(x.dtype)                   # r_m·a·s_n · Σ_k (u_mk - z) q_nk
         elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):

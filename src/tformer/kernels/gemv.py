@@ -1,48 +1,35 @@
-"""fp32 products of a few rows by a weight matrix, at the memory's read rate (AVX-512 or AVX2 CPUs).
+"""tformer's kernels as PyTorch sees them: the weights packed for them, and the calls (the library: build.py).
 
 A decoding step multiplies one row per sequence by every weight matrix, so its speed is how fast
-the weights are read. oneDNN's packed kernel reads fp32 weights at ~22 GB/s on an AVX-512 EPYC,
-two thirds of what memory delivers (~33 GB/s), and at 19 of 25 GB/s on an AVX2 one (BENCHMARKS.md);
-`gemv.c` reads them at the full rate: the weight is packed once into blocks of 16 output features
-(`pack`), which each thread streams front to back.
-
-The kernel is C, compiled once at install time (`tformer.kernels.gemv.main()`, which `make` runs) into a shared
-library next to this file (or under ~/.cache/tformer when the package directory is read-only), for the
-CPU's widest vectors (`flags()`), and loaded with ctypes. It is used only where
-it can run: x86-64 Linux with AVX-512 or AVX2, PyTorch on OpenMP (the library then shares PyTorch's
-threads), and a library built from this very source. Anywhere else `available()` is False and
-linear.py keeps oneDNN's kernels.
+the weights are read. oneDNN's packed kernel reads fp32 weights below the memory's rate, on AVX-512
+and AVX2 EPYCs alike (BENCHMARKS.md, "Kernels"); `gemv_fp32.c` reads them at the full rate: the weight
+is packed once into blocks of 16 output features (`pack`), which each thread streams front to back.
+Where the library cannot run `available()` is False and linear.py keeps oneDNN's kernels.
 
     p = pack(w)                        # (N, K) -> (ceil(N / 16), K, 16), once per weight
     y = gemv(p, x, bias, w.size(0))    # x (M, K) -> (M, N) = x wᵀ + bias
 
 The same library holds a bf16 variant (`pack(w, torch.bfloat16)`: half the bytes) and greedy decoding's
-argmax through it (`argmax_bf16`, for linear.Gemv.argmax), an int8 product (`gemv8` on `pack8(q, scales)`,
-for quant.Int8Linear), decoding attention (`attend`: every row and head in one call), and a GPT's whole
-decoding step built from these (`gpt_step`, for fused.GPTStep).
+argmax through it (`argmax_bf16`, for linear.Gemv.argmax; gemv_bf16.c), an int8 product (`gemv8` on
+`pack8(q, scales)`, for quant.Int8Linear; gemv_int8.c), decoding attention (`attend`: every row and head
+in one call; attend.c), and a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep;
+gpt_step.c).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
 import mmap
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
-VECTORS = {"AVX512": ["-mavx512f"], "AMX": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}   # by PyTorch's name for the CPU
+from .build import function, unsupported
+
+__all__ = ["PLAN_ROWS", "BLOCK", "HUGE_PAGE", "MAX_HEAD", "MAX_KEYS", "available", "unsupported", "huge_page_empty",
+           "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "gpt_step"]
+
 CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
 BLOCK = 16            # output features per block: one AVX-512 register of fp32, two AVX2 ones
@@ -51,101 +38,19 @@ MAX_HEAD = 256        # attend(): head sizes up to this (multiples of 16), and u
 MAX_KEYS = 16384
 
 
-def flags() -> list[str]:
-    """The compiler's flags for this CPU's widest vectors: AVX-512 (with VNNI where it has it), else AVX2 + FMA."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    vnni = ["-mavx512vnni"] if cpu in ("AVX512", "AMX") and torch.cpu._is_vnni_supported() else []
-    return FLAGS + VECTORS.get(cpu, []) + vnni
-
-
-def library_path() -> Path:
-    """Where the library built from this source with these flags lives (the name carries a hash of
-    both, so a changed source, or a checkout moved to a CPU with other vectors, is never run from an
-    old build)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()[:12]
-    name = f"_gemv-{digest}.so"
-    here = SOURCE.parent
-    if os.access(here, os.W_OK) or (here / name).exists():
-        return here / name
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tformer" / name
-
-
-def unsupported() -> str | None:
-    """Why the kernel cannot run on this machine, or None."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return f"needs x86-64 Linux (this is {sys.platform} {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in VECTORS:
-        return "the CPU has neither AVX-512 nor AVX2"
-    if "OpenMP" not in torch.__config__.parallel_info():
-        return "PyTorch is not built with OpenMP"
-    return None
-
-
-def build(compiler: str | None = None) -> Path:
-    """Compile gemv.c into library_path() (atomically: a half-written library is never loaded).
-    Raises RuntimeError with the compiler's message when it cannot."""
-    reason = unsupported()
-    if reason:
-        raise RuntimeError(reason)
-    out = library_path()
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cc = compiler or os.environ.get("CC", "cc")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *flags(), str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if done.returncode != 0:
-            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
-            raise RuntimeError(f"{cc} failed: {last}")
-        os.replace(tmp, out)
-        for old in out.parent.glob("_gemv-*.so"):          # builds of earlier sources
-            if old != out:
-                old.unlink(missing_ok=True)
-    except FileNotFoundError:
-        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-@functools.cache
-def _function(name: str):
-    """The library's C function `name` with its argument types, or None where the library cannot run."""
-    if unsupported() or not library_path().exists():
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    argtypes = {
-        "tformer_gemv": [ptr] * 4 + [i64] * 3,                   # p, x, bias, y; M, N, K
-        "tformer_gemv_bf16": [ptr] * 4 + [i64] * 3,
-        "tformer_gemv_int8": [ptr] * 4 + [i64] * 3 + [ptr],      # ... and the scratch for x in bytes
-        "tformer_attend": ([ptr, i64, i64] + [ptr] * 2 + [i64] * 6       # q + strides; k, v + strides
-                           + [ptr] + [i64] * 3 + [ptr, i64, ptr]           # mask + strides; lineage; out
-                           + [i64] * 6 + [ctypes.c_float]),                # B, H, H_kv, T_k, hd, copies; scale
-        "tformer_gpt_step": ([ptr, i64, ptr] + [i64] * 8 + [ctypes.c_float, i64, ctypes.c_float, ptr]),
-        "tformer_argmax_bf16": [ptr] * 5 + [ctypes.c_float] + [i64] * 3 + [ptr] * 2,   # ...; r; M, N, K; rough, best
-        "tformer_bf16_paired": [],
-    }[name]
-    fn = getattr(ctypes.CDLL(str(library_path())), name)
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int if name in ("tformer_bf16_paired", "tformer_argmax_bf16") else None
-    return fn
-
-
 def available() -> bool:
-    """Whether the kernel is built and can run here."""
-    return _function("tformer_gemv") is not None
+    """Whether the kernel is built and can run here (unsupported() says why not, where it cannot)."""
+    return function("tformer_gemv") is not None
 
 
 def huge_page_empty(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """An uninitialised tensor in memory Linux is asked (madvise) to back with 2 MiB pages.
 
     Streaming a weight through 4 KiB pages costs a page walk every 4 KiB and stops the hardware prefetcher at
-    each page's end; in huge pages the kernel reads GPT-2's weights 8-16% faster (benchmarks/gemv_pages.py).
-    PyTorch's allocator does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, so the
-    memory is mapped here; the tensor keeps the mapping alive and unmaps it when freed (ordinary memory
-    where the system grants no huge pages)."""
+    each page's end; in huge pages the kernel reads GPT-2's weights faster (benchmarks/gemv_pages.py;
+    BENCHMARKS.md, "Kernels"). PyTorch's allocator does this only when THP_MEM_ALLOC_ENABLE is set
+    before its first allocation, so the memory is mapped here; the tensor keeps the mapping alive and
+    unmaps it when freed (ordinary memory where the system grants no huge pages)."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
@@ -171,7 +76,7 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 def pack8(q: Tensor, scales: Tensor) -> Tensor:
     """An int8 weight q (N, K) and its scales (N,) (quant.quantize_weight) -> one int8 tensor as the
-    int8 kernel reads it (gemv.c, pack8): blocks of 16 output features by groups of 4 k, then each
+    int8 kernel reads it (gemv_int8.c): blocks of 16 output features by groups of 4 k, then each
     output's Σ_k q (int32) and scale (fp32), 16·ceil(N / 16) of each."""
     n, k = q.shape
     if q.dtype != torch.int8 or scales.shape != (n,):
@@ -191,7 +96,7 @@ def pack8(q: Tensor, scales: Tensor) -> Tensor:
 
 def bf16_paired() -> bool:
     """Whether the built kernel reads bf16 blocks in pairs (AVX2; see pack)."""
-    return (fn := _function("tformer_bf16_paired")) is not None and bool(fn())
+    return (fn := function("tformer_bf16_paired")) is not None and bool(fn())
 
 
 def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
@@ -205,7 +110,7 @@ def gemv(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.data_ptr()
-    kernel = _function("tformer_gemv" if packed.dtype == torch.float32 else "tformer_gemv_bf16")
+    kernel = function("tformer_gemv" if packed.dtype == torch.float32 else "tformer_gemv_bf16")
     p, xp, yp = packed.data_ptr(), x.data_ptr(), y.data_ptr()
     for start in range(0, m, CHUNK_ROWS):                                     # rows are contiguous in x and y
         kernel(p, xp + 4 * start * k, b, yp + 4 * start * n, min(CHUNK_ROWS, m - start), n, k)
@@ -222,15 +127,15 @@ def argmax_bf16(screen: Tensor, packed: Tensor, slack: Tensor, x: Tensor, bias: 
     if not 1 <= m <= PLAN_ROWS or x.dtype != torch.float32 or not fits or screen.dtype != torch.bfloat16:
         raise ValueError(f"argmax_bf16: x {tuple(x.shape)} {x.dtype} does not fit packed {tuple(packed.shape)}")
     rough, best = torch.empty(m, n), torch.empty(m, dtype=torch.int64)     # rough: the screen's outputs
-    status = _function("tformer_argmax_bf16")(screen.data_ptr(), packed.data_ptr(), slack.data_ptr(), x.data_ptr(),
-                                              None if bias is None else bias.data_ptr(), rounding, m, n, x.size(1),
-                                              rough.data_ptr(), best.data_ptr())
+    status = function("tformer_argmax_bf16")(screen.data_ptr(), packed.data_ptr(), slack.data_ptr(), x.data_ptr(),
+                                             None if bias is None else bias.data_ptr(), rounding, m, n, x.size(1),
+                                             rough.data_ptr(), best.data_ptr())
     return best if status == 0 else None
 
 
 def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x (M, K) fp32, M >= 1 -> (M, n) = x Wᵀ + bias, W = scales · q as pack8(q, scales) holds it: each
-    row of x rounded to 7 bits on its own range, the products summed exactly in integers (gemv.c)."""
+    row of x rounded to 7 bits on its own range, the products summed exactly in integers (gemv_int8.c)."""
     x = x.contiguous()
     m, k = x.shape
     blocks, groups = -(-n // BLOCK), -(-k // 4)
@@ -241,18 +146,9 @@ def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
     bias = None if bias is None else bias.float().contiguous()                # kept alive through the call
     y = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(min(m, CHUNK_ROWS) * 4 * groups, dtype=torch.uint8)   # x rounded, CHUNK_ROWS rows a time
-    _function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                   y.data_ptr(), m, n, k, scratch.data_ptr())
+    function("tformer_gemv_int8")(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), m, n, k, scratch.data_ptr())
     return y
-
-
-def main() -> None:
-    """Build the kernel and say so (make runs it at install); a machine that cannot build it still
-    installs, and decodes with oneDNN's kernels."""
-    try:
-        print(f"tformer.kernels.gemv: built {build()}")
-    except RuntimeError as e:
-        print(f"tformer.kernels.gemv: not built ({e}); decoding uses oneDNN's kernels")
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
@@ -264,7 +160,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     position j of row b is held by row lineage[b, j] of k and v (kv_cache.KVCache)."""
     B, H, t, hd = q.shape
     Bk, H_kv, T_k = k.shape[:3]
-    kernel = _function("tformer_attend")
+    kernel = function("tformer_attend")
     if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or kernel is None
             or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
         return None
@@ -288,7 +184,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
 
 def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int, ffn: int, max_len: int,
              pos: int, eps: float, act: int, scale: float) -> None:
-    """One decoding step through every pre-LN block of a GPT in one call (gemv.c, tformer_gpt_step):
+    """One decoding step through every pre-LN block of a GPT in one call (gpt_step.c):
     x (M, D) fp32 contiguous, the residual stream, updated in place; `table` (L, 18) int64 the addresses
     of each layer's norms, packed weights (fp32 by pack, or int8 by pack8) and their types, biases and
     K, V caches (fused.py builds it); position `pos` of the caches is written. The caller checks that
@@ -296,5 +192,5 @@ def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int,
     m, d = x.shape
     floats = m * (d + (heads + 2 * kv_heads) * head_dim + heads * head_dim + ffn)     # h, qkv, attention, up
     scratch = torch.empty(floats + m * (max(d, heads * head_dim, ffn) + 3) // 4 + 1, dtype=torch.float32)
-    _function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
-                                  ffn, max_len, pos, eps, act, scale, scratch.data_ptr())
+    function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
+                                 ffn, max_len, pos, eps, act, scale, scratch.data_ptr())

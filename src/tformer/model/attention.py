@@ -70,8 +70,8 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
     """The formula in plain ops and in the input's dtype: the fast way to *train* in bf16 on a CPU,
     and to decode a batch on one (decoding_a_batch). PyTorch's CPU flash kernel has a slow backward
     pass; here one baddbmm computes the scaled scores plus the mask (0 or -inf) and the softmax and
-    αV follow: 2x faster than the flash kernel, forward + backward, at nanoGPT's shape
-    (BENCHMARKS.md, "Performance"). A query with every key masked gets NaN (the fused kernel: 0)."""
+    αV follow: faster than the flash kernel, forward + backward, in bf16 (BENCHMARKS.md, "What makes a
+    CPU training step fast"). A query with every key masked gets NaN (the fused kernel: 0)."""
     k, v = _repeat_kv(k, q.size(1)), _repeat_kv(v, q.size(1))
     B, H, t_q, hd = q.shape
     t_k = k.size(-2)
@@ -91,10 +91,11 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
 
 def decoding_a_batch(q: Tensor, t: int) -> bool:
     """A decoding step (one new token per sequence: t == 1) with at least 256 (row, head, query)
-    triples, where PyTorch's CPU flash kernel is 1.3-3x slower than unfused_attention (Marian's beam
+    triples, where PyTorch's CPU flash kernel is slower than unfused_attention (Marian's beam
     search: 64 rows x 8 heads; cross-attention of 16 x 8 with 4 beams folded into the queries) while it
-    is as fast or faster for fewer (GPT-2's 12 heads at batch 1 or 8). Such a query always has a key to
-    attend to (itself, or its source), so the unfused path's NaN for a fully masked query cannot arise."""
+    is as fast or faster for fewer (GPT-2's 12 heads at batch 1 or 8; BENCHMARKS.md, "Kernels"). Such a
+    query always has a key to attend to (itself, or its source), so the unfused path's NaN for a fully
+    masked query cannot arise."""
     return t == 1 and q.size(-2) <= 16 and q.size(0) * q.size(1) * q.size(-2) >= 256
 
 
@@ -103,9 +104,9 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     """A decoding step on a CPU in fp32 (one new query per row, no gradient) through tformer's kernel
     (gemv.attend): every (row, head) in one call, the beams of a source reading its keys in place
     (no fold_copies), a beam its ancestors' keys where they were written (`lineage`, KVCache), the
-    heads written side by side -> (B, 1, H·hd). 2x the batched products at Marian's beam search (64
-    rows x 8 heads: 290 -> 145 µs), 1.15-1.25x the flash kernel at GPT-2's batch 1
-    (benchmarks/decode_attention.py). None where the kernel does not apply (the paths above then run)."""
+    heads written side by side -> (B, 1, H·hd). Faster than the batched products at Marian's beam search
+    and than the flash kernel at GPT-2's batch 1 (benchmarks/decode_attention.py; BENCHMARKS.md,
+    "Kernels"). None where the kernel does not apply (the paths above then run)."""
     if q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(-2) != 1:
         return None
     return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)

@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
             nonlocal weights
             # Without a cache the flag does not depend on T (at T = 1, one query and one key, causal and
             # full attention agree), so torch.compile sees a plain bool, not a symbolic `T > 1`, which
-            # broke the graph at every attention layer (1.5x the compile time, BENCHMARKS.md).
+            # broke the graph at every attention layer and lengthened the compile (BENCHMARKS.md, "torch.compile").
             causal = mask is None and (cache is None or h.size(1) > 1)
             h, weights = self.attn(h, mask=mask, positions=positions, cache=cache, is_causal=causal,
                                    need_weights=need_weights, position_bias=position_bias)

@@ -4,18 +4,17 @@
 for decoding on a CPU. Each decoding step multiplies a few rows (one per sequence) by every weight
 matrix once, so its speed is how fast the kernel reads the weights. PyTorch's default CPU kernels
 for so few rows (MKL's matrix-vector and small-M products) use one core here and read fp32 weights
-at ~15 GB/s, half of what memory delivers (`python benchmarks/gemv_bandwidth.py`). The remedies,
-chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
+at about half of what memory delivers (`python benchmarks/gemv_bandwidth.py`; BENCHMARKS.md,
+"Kernels"). The remedies, chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
 
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
   AVX-512 or AVX2 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
-  memory's full rate on all cores (~30 GB/s here against oneDNN's ~22); it runs the prompts too (up
-  to PROMPT_ROWS rows: F.linear takes 1.3-2.6x as long on this AMD CPU). Mid-sized matrices (under
-  PACK_MIN) take it at any step size: at 64 rows (Marian's beam search) it does 180-200 GFLOP/s
-  against 120-135 for split and 150-180 for packed.
+  memory's full rate on all cores (oneDNN's packed kernel reads below it); it runs the prompts too (up
+  to PROMPT_ROWS rows, where F.linear is slower on AMD CPUs). Mid-sized matrices (under PACK_MIN) take
+  it at any step size: at 64 rows (Marian's beam search) it also beats split and packed.
 - packed (large matrices; bf16 ones from mid size): oneDNN multiplies by a copy of the weight laid
-  out for its kernel ("packed") on all cores, ~25 GB/s at batch 1 and at batch 8. Its fixed cost
-  per call (~25 µs) is more than small matrices take.
+  out for its kernel ("packed") on all cores, at batch 1 and at batch 8 alike. Its fixed cost per
+  call is more than small matrices take.
 - split (mid-sized fp32 matrices where the kernel is not built): the output features are cut into
   one slice per thread and the slices run as one batched product (`torch.bmm`), which PyTorch
   spreads over the threads.
@@ -104,8 +103,8 @@ class Split(Plan):
 class Gemv(Plan):
     """tformer's own fp32 kernel (gemv.py) on a copy of the weight packed for it: planned for decoding
     steps of up to gemv.PLAN_ROWS rows (mid-sized matrices: up to MAX_ROWS), it also runs the prompts,
-    up to PROMPT_ROWS rows (there it does ~200 GFLOP/s here, against 80-145 for F.linear, whose MKL
-    kernels are slow on AMD CPUs). An output layer asked for greedy tokens (`argmax`) also keeps a
+    up to PROMPT_ROWS rows (faster there than F.linear, whose MKL kernels are slow on AMD CPUs;
+    BENCHMARKS.md, "Kernels"). An output layer asked for greedy tokens (`argmax`) also keeps a
     bf16 copy of its weight: half a copy more in memory."""
 
     def __init__(self, weight: Tensor, rows: int):

@@ -29,7 +29,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..generation import TextStream, greedy, process_logits, sample
+from ..generation import TextStream, process_logits
+from ..generation.sampling import choose, make_generator
+from ..generation.settings import OPENAI_DEFAULTS as OPENAI
 from ..model.linear import plan_decoding
 from .pool import SlotPool
 
@@ -40,13 +42,14 @@ class QueueFull(Exception):
 
 @dataclass
 class Sampling:
-    """One choice's decoding settings (OpenAI's names; tformer's top_k, min_p, repetition_penalty)."""
+    """One choice's decoding settings (OpenAI's names; tformer's top_k, min_p, repetition_penalty);
+    defaults: OpenAI's (generation.settings.OPENAI_DEFAULTS), as the request schema's."""
     max_tokens: int
-    temperature: float = 1.0           # 0: greedy
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
+    temperature: float = OPENAI.temperature    # 0: greedy
+    top_p: float = OPENAI.top_p
+    top_k: int | None = OPENAI.top_k
+    min_p: float | None = OPENAI.min_p
+    repetition_penalty: float = OPENAI.repetition_penalty
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None        # how many alternatives to report per token (None: no logprobs)
@@ -80,13 +83,7 @@ class Sequence:
         self.index, self.prompt, self.source, self.s = index, prompt, source, sampling
         self.tokenizer, self.eos, self.sink = tokenizer, eos, sink
         self.text = TextStream(tokenizer, sampling.stop)
-        self.generator = None
-        if sampling.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if sampling.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(sampling.seed)
+        self.generator = make_generator(sampling.seed, device) if sampling.temperature > 0 else None
         self.seen: Tensor | None = None     # (1, V) tokens present, for the repetition penalty
         self.generated: list[int] = []
         self.cancelled = self.done = False
@@ -104,15 +101,9 @@ class Sequence:
         processed = process_logits(logits, self.seen, do_sample=s.temperature > 0, temperature=s.temperature,
                                    top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                    repetition_penalty=s.repetition_penalty)
-        # Extreme settings (temperature 1e-300, penalty 1e-300) overflow to inf: their limit is the
-        # largest logits, so inf becomes the largest float and a NaN can never be drawn.
-        big = torch.finfo(processed.dtype).max
-        processed = torch.nan_to_num(processed, nan=float("-inf"), posinf=big, neginf=float("-inf"))
-        finite = bool(torch.isfinite(processed).any())
-        if s.temperature == 0 or not finite:
-            token = int(greedy(processed if finite else logits))
-        else:
-            token = int(sample(processed, self.generator))
+        # generate()'s choice and guard: extreme settings (temperature 1e-300, penalty 1e-300) overflow
+        # to inf, whose limit (the largest logits) is taken; a NaN is never drawn (generation.sampling)
+        token = int(choose(processed, s.temperature > 0, self.generator, raw=logits)[0])
         if self.seen is not None:
             self.seen[0, token] = True
         return token

@@ -8,6 +8,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..generation.settings import OPENAI_DEFAULTS as OPENAI  # OpenAI's defaults, stated once there
+
 MAX_N = 16                  # choices per prompt
 MAX_INPUTS = 256            # prompts, texts or messages per request
 MAX_STOPS = 4               # stop strings (OpenAI's limit)
@@ -26,16 +28,20 @@ class StreamOptions(Body):
 class Sampled(Body):
     """Fields shared by completions and chat completions."""
     model: str
-    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy (the most likely token each step)")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(OPENAI.temperature, ge=0, le=2,
+                               description="0: greedy (the most likely token each step)")
+    top_p: float = Field(OPENAI.top_p, gt=0, le=1)
+    n: int = Field(OPENAI.num_return_sequences, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = Field(None, description="stop when the text contains one of these (not returned)")
     seed: int | None = Field(None, ge=0, lt=2**63, description="the same seed gives the same text")
-    top_k: int | None = Field(None, ge=0, description="tformer: sample among the k most likely tokens (0/None: off)")
-    min_p: float | None = Field(None, ge=0, le=1, description="tformer: drop tokens below min_p x the top probability")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="tformer: >1 makes tokens already seen less likely")
+    top_k: int | None = Field(OPENAI.top_k, ge=0,
+                              description="tformer: sample among the k most likely tokens (0/None: off)")
+    min_p: float | None = Field(OPENAI.min_p, ge=0, le=1,
+                                description="tformer: drop tokens below min_p x the top probability")
+    repetition_penalty: float = Field(OPENAI.repetition_penalty, gt=0, le=10,
+                                      description="tformer: >1 makes tokens already seen less likely")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -44,7 +50,7 @@ class Sampled(Body):
 
 class CompletionRequest(Sampled):
     prompt: Union[str, list[str]] = Field(..., description="text to continue (an encoder-decoder: the source text)")
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(OPENAI.max_new_tokens, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="report the top-N tokens and their log-probabilities")
 

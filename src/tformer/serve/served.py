@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from ..checkpoints.format import load, load_source_tokenizer, load_tokenizer, read_config, resolve
 from ..errors import ConfigError
+from ..evaluation.batching import length_batches, pad
+from ..evaluation.classify import encode_texts, predict_proba
 from ..generation.settings import eos_ids
 from ..model.pooling import POOLINGS
-from ..tasks.classify import encode_texts, predict_proba
-from ..tasks.common import length_batches, pad
 from .chat import ChatTemplate, find_chat_template
 
 ENCODER_BATCH = 32          # texts per forward pass of an encoder

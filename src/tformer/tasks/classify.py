@@ -3,8 +3,10 @@ vector -> dropout -> linear -> softmax), on the built-in rotten-tomatoes sentime
 CSV / TSV / JSONL file. Implements the tformer.training.config.Task protocol.
 
 Every text becomes  [bos] tokens… [eos]  (for a BERT tokenizer bos/eos are [CLS]/[SEP]), cut to
---max-len tokens. The held-out split is a seeded random fraction of the rows; `meta()` records how
-to rebuild it, so `tformer eval --model RUN` scores exactly the texts the run never trained on.
+--max-len tokens; prediction and scoring are evaluation.classify's, shared with `tformer classify`,
+`tformer eval` and the server. The held-out split is a seeded random fraction of the rows; `meta()`
+records how to rebuild it and `ClassifyTask.heldout` rebuilds it, so `tformer eval --model RUN`
+scores exactly the texts the run never trained on.
 """
 
 from __future__ import annotations
@@ -19,21 +21,13 @@ from torch import Tensor, nn
 from ..data import corpora
 from ..data.files import split_rows, step_generator
 from ..data.tokenizers import make_tokenizer
-from ..errors import ConfigError, DataError
-from ..evaluation import metrics
+from ..errors import ConfigError, DataError, warn
+from ..evaluation.batching import pad
+from ..evaluation.classify import encode_texts, format_confusion, predict_proba, score
 from ..model.heads import EncoderClassifier
 from ..training.config import TrainOptions
 from ..training.options import below_one, option, positive_int
-from .common import (
-    arg,
-    dropout_overrides,
-    length_batches,
-    length_grouped_rows,
-    load_pretrained_encoder,
-    model_config,
-    pad,
-    warn,
-)
+from .common import arg, dropout_overrides, length_grouped_rows, load_pretrained_encoder, model_config, recorded
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the issue's HF
 # reference; on 12k short sentences a bigger model only overfits sooner.
@@ -55,48 +49,6 @@ def split(data: corpora.LabelledTexts, val_fraction: float, seed: int) -> tuple[
     return split_rows(list(range(len(data.texts))), val_fraction, seed)
 
 
-def encode_texts(tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """[bos] + ids + [eos], the middle cut so the whole fits max_len. Returns the lists and how many
-    texts were cut."""
-    special = [i for i in (tokenizer.bos_id, tokenizer.eos_id) if i is not None]
-    room = max_len - len(special)
-    out, cut = [], 0
-    for ids in tokenizer.encode_batch(texts):
-        if len(ids) > room:
-            ids, cut = ids[:room], cut + 1
-        start = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-        end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-        out.append(start + ids + end)
-    return out, cut
-
-
-@torch.no_grad()
-def predict_proba(model: EncoderClassifier, tokenizer, texts: list[str], max_len: int,
-                  batch_size: int = 64) -> Tensor:
-    """Label probabilities (N, num_labels) for `texts`, in order."""
-    seqs, _ = encode_texts(tokenizer, texts, max_len)
-    device = next(model.parameters()).device
-    probs = torch.empty(len(seqs), model.num_labels)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    for rows in length_batches([len(s) for s in seqs], batch_size):
-        ids, mask = pad([seqs[i] for i in rows], pad_id)
-        logits = model(ids.to(device), mask.to(device))
-        probs[rows] = logits.float().softmax(-1).cpu()
-    return probs
-
-
-def score(model: EncoderClassifier, tokenizer, texts: list[str], labels: list[int], max_len: int,
-          label_names: list[str]) -> dict[str, Any]:
-    """Loss, accuracy, macro-F1 and confusion matrix of `model` on `texts` with reference `labels`."""
-    probs = predict_proba(model, tokenizer, texts, max_len)
-    target = torch.tensor(labels)
-    loss = F.nll_loss(probs.clamp_min(1e-12).log(), target).item()
-    predicted = probs.argmax(-1).tolist()
-    return {"val_loss": loss, "accuracy": metrics.accuracy(predicted, labels),
-            "macro_f1": metrics.macro_f1(predicted, labels, len(label_names)),
-            "confusion": metrics.confusion_matrix(predicted, labels, len(label_names)), "labels": label_names}
-
-
 def drop_tokens(seq: list[int], p: float, generator) -> list[int]:
     """`seq` without a random share p of its inner tokens (the first and last, [bos]/[eos], stay;
     a text is never emptied): word dropout, which makes a model lean on more than a few cue words."""
@@ -105,15 +57,6 @@ def drop_tokens(seq: list[int], p: float, generator) -> list[int]:
     if not any(keep):
         return seq
     return seq[:1] + [t for t, k in zip(inner, keep) if k] + seq[-1:]
-
-
-def format_confusion(matrix: list[list[int]], labels: list[str]) -> str:
-    """The confusion matrix as a small text table (rows: true label, columns: predicted)."""
-    width = max(8, *(len(name) + 1 for name in labels))
-    lines = ["true \\ predicted".ljust(width + 8) + "".join(name.rjust(width) for name in labels)]
-    for name, row in zip(labels, matrix):
-        lines.append(name.ljust(width + 8) + "".join(str(n).rjust(width) for n in row))
-    return "\n".join(lines)
 
 
 @dataclass
@@ -160,6 +103,21 @@ class ClassifyTask:
         if init is None:
             return {**common, "tokenizer": "bert-uncased", "dropout": 0.2, "token_dropout": 0.2}
         return {**common, "freeze_embeddings": True, "lr": 1.5e-4, "batch_size": 32, "warmup": 20}
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None, text_column: str | None = None,
+                label_column: str | None = None) -> tuple[list[str], list[str]]:
+        """(texts, label names) that `tformer eval` scores: the rows of `data`, whole; else the run's held-out
+        split, rebuilt from what `meta()` recorded (this task's defaults for what it did not). The columns
+        given override the run's."""
+        columns = (text_column or recorded(cls, meta, "text_column"),
+                   label_column or recorded(cls, meta, "label_column"))
+        if data is not None:
+            whole = load_data(data, *columns)
+            return whole.texts, whole.labels
+        whole = load_data(recorded(cls, meta, "data"), *columns)
+        _, rows = split(whole, recorded(cls, meta, "val_fraction"), recorded(cls, meta, "seed"))
+        return [whole.texts[i] for i in rows], [whole.labels[i] for i in rows]
 
     def __init__(self, opts: ClassifyOptions, tokenizer=None, init: str | None = None):
         self.opts = opts

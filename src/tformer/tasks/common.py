@@ -1,13 +1,12 @@
-"""Pieces the classification and translation tasks share: padding, model configs, --init loading."""
+"""Pieces the tasks share: options and their defaults, length-grouped batches, model configs, --init loading.
+Padding is evaluation.batching's (scoring pads the same way)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from ..errors import CheckpointError, ConfigError
 from ..model.config import PRESETS, ModelConfig
@@ -19,15 +18,13 @@ def arg(opts, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad token lists to the longest: ids (B, T) and the HF-style mask (B, T) of 1 = token, 0 = pad."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
+def recorded(task: type, meta: dict[str, Any], key: str) -> Any:
+    """How a run built its held-out split: meta["heldout"][key] as the task's meta() recorded it, else
+    the task's own default (its default_data for "data", else its Options field's default)."""
+    held = meta.get("heldout", {})
+    if key in held:
+        return held[key]
+    return task.default_data if key == "data" else getattr(task.Options, key)
 
 
 def length_grouped_rows(order: list[int], batch_size: int, generator) -> list[int]:
@@ -38,12 +35,6 @@ def length_grouped_rows(order: list[int], batch_size: int, generator) -> list[in
     start = int(torch.randint(0, len(order) - window + 1, (1,), generator=generator))
     picks = torch.randint(0, window, (batch_size,), generator=generator)
     return [order[start + int(i)] for i in picks]
-
-
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length (sorted), so evaluation pads little."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def model_config(opts, kind: str, vocab_size: int, max_len: int, default: dict[str, Any], **fixed: Any) -> ModelConfig:
@@ -105,7 +96,3 @@ def load_pretrained_encoder(init: str):
         raise CheckpointError(f"--init {init} holds a {type(model).__name__}; fine-tuning needs an encoder "
                               "(BERT family)")
     return model, tokenizer
-
-
-def warn(message: str) -> None:
-    sys.stderr.write(f"warning: {message}\n")

@@ -3,7 +3,8 @@ see tformer.training.config for the protocol).
 
 Data: the built-in `hamlet` or a UTF-8 text file; the first 90% trains, the last 10% validates.
 Validation loss is the mean cross-entropy over the WHOLE validation split, cut into consecutive,
-non-overlapping windows of the context length (every validation token predicted exactly once).
+non-overlapping windows of the context length (every validation token predicted exactly once):
+evaluation.lm.mean_loss, which `tformer eval` calls on the text `LMTask.heldout` gives it.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data.files import lm_batch, lm_windows, read_text, split_text
+from ..data.files import lm_batch, read_text, split_text
 from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError
+from ..evaluation.lm import mean_loss
+from ..generation.settings import TEXT_DEFAULTS
 from ..model.config import PRESETS, preset
 from ..training.config import TrainOptions
 from ..training.options import option
 from .common import dropout_overrides
-
-SAMPLE = dict(max_new_tokens=200, temperature=0.8, top_k=50, top_p=0.95)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class LMOptions(TrainOptions):
 # The recipe for the built-in hamlet (what `make demo` runs for 300 s; measured in BENCHMARKS.md, "Demo"):
 # preset `mini` (4 layers of width 128, Llama-shaped), AdamW at 4e-3 after 30 warm-up steps, batch 16
 # (many small steps), dropout 0.2 (Hamlet is small: the model overfits it) but none on attention weights
-# (it costs step time), weight decay 0.3 (over 1,850 fixed steps 1.547 against 1.571 at the generic 0.1),
+# (it costs step time), weight decay 0.3 (a lower validation loss than the generic 0.1 at equal steps),
 # validation of a weight average (--ema) every 250 steps, keeping the best.
 HAMLET = dict(preset="mini", batch_size=16, lr=4e-3, warmup=30, dropout=0.2, attn_dropout=0.0, weight_decay=0.3,
               ema=0.99, keep_best=True, eval_every=250)
@@ -54,6 +55,17 @@ class LMTask:
         if init is not None:
             return {}
         return {"tokenizer": "char", "vocab_size": 2000, "preset": "small", **(HAMLET if data == "hamlet" else {})}
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> str | None:
+        """The text `tformer eval` scores: the file `data`, whole; else the run's validation text, cut from the
+        data `meta()` recorded as training cut it (the last val_fraction; this task's default when not
+        recorded). None: the checkpoint records no training data."""
+        if data is not None:
+            return read_text(data)
+        if "data" not in meta:
+            return None
+        return split_text(read_text(meta["data"]), meta.get("val_fraction", cls.Options.val_fraction))[1]
 
     def __init__(self, opts: LMOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         self.opts = opts
@@ -129,41 +141,25 @@ class LMTask:
         return {"val_loss": mean_loss(model, self.val_ids, self.context)}
 
     def sample(self, model: nn.Module) -> str:
-        return sample_text(model, self.tokenizer, self.prompt, seed=self.seed, **SAMPLE)
+        return sample_text(model, self.tokenizer, self.prompt, seed=self.seed)   # TEXT_DEFAULTS, as `tformer generate`
 
     def meta(self) -> dict[str, Any]:
         return {"data": str(self.opts.data), "tokenizer": self.tokenizer.kind, "context": self.context,
                 "val_fraction": self.opts.val_fraction}
 
 
-def mean_loss(model: nn.Module, ids: Tensor, context: int, batch_windows: int = 64) -> float:
-    """Mean cross-entropy (nats per token) of `model` over every token of `ids` (cut into consecutive
-    windows of `context`; each token predicted exactly once), in fp32."""
-    device = next(model.parameters()).device
-    windows = lm_windows(ids, context)
-    total, count = 0.0, 0
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        full = [w for w in windows if len(w[0]) == context]
-        rest = [w for w in windows if len(w[0]) != context]
-        groups = [full[i:i + batch_windows] for i in range(0, len(full), batch_windows)] + [[w] for w in rest]
-        for group in groups:
-            x = torch.stack([w[0] for w in group]).to(device)                # (b, T)
-            y = torch.stack([w[1] for w in group]).to(device)
-            logits = model(x).float()
-            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            count += y.numel()
-    return total / count
-
-
-def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200,
-                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = 0.95,
+def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str,
+                max_new_tokens: int = TEXT_DEFAULTS.max_new_tokens, temperature: float = TEXT_DEFAULTS.temperature,
+                top_k: int | None = TEXT_DEFAULTS.top_k, top_p: float | None = TEXT_DEFAULTS.top_p,
                 seed: int = 0) -> str:
     """Prompt + a sampled continuation, reproducible for a seed (the global RNG is not touched).
-    Beyond the model's context it continues from the last half-context (generation.windowed)."""
+    Beyond the model's context it continues from the last half-context (generation.windowed).
+    Defaults: sampled text's (generation.settings.TEXT_DEFAULTS), as `tformer generate`."""
     from ..generation import prompt_ids, windowed
+    from ..generation.sampling import make_generator
 
     ids = prompt_ids(tokenizer, prompt)
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    g = make_generator(seed, next(model.parameters()).device)
     was_training = model.training
     model.eval()
     try:

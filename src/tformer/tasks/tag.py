@@ -10,11 +10,10 @@ time a word takes the label predicted at its first piece.
     pieces    [CLS] ed  mil ##iba ##nd    ' s   [SEP]
     target    -     B   I   -     -       O -   -          (- = ignored)
 
-A word that falls past --max-len tokens (or yields no piece at all) is predicted O, and still
-counts in the scores: the model is scored on every word of the held-out sentences.
-Scores are entity-level (seqeval, conlleval rules): an entity counts when its type and both ends
-are right. The held-out split is a seeded random share of the sentences; `meta()` records how to
-rebuild it, so `tformer eval --model RUN` scores the sentences the run never trained on.
+Prediction and scoring (a word past --max-len is predicted O, and still counts; entity-level
+scores) are evaluation.tag's, shared with `tformer tag` and `tformer eval`. The held-out split is a
+seeded random share of the sentences; `meta()` records how to rebuild it and `TagTask.heldout`
+rebuilds it, so `tformer eval --model RUN` scores the sentences the run never trained on.
 """
 
 from __future__ import annotations
@@ -23,15 +22,17 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import corpora
 from ..data.files import split_rows, step_generator
 from ..data.tokenizers import Tokenizer, make_tokenizer
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, warn
 from ..evaluation import metrics
+from ..evaluation.batching import pad
+from ..evaluation.tag import predict_tags, score
+from ..evaluation.words import encode_words, format_entities
 from ..model.heads import EncoderTokenClassifier
 from ..training.config import TrainOptions
 from ..training.options import option, positive_int
@@ -39,17 +40,9 @@ from ..training.options import option, positive_int
 # The default shape (when --preset is not given), vocabulary and length are classification's (the
 # 2-layer, width-128 BERT): 2,400 tweets are too few for more.
 from .classify import DEFAULT_MAX_LEN, DEFAULT_MODEL, DEFAULT_VOCAB
-from .common import (
-    arg,
-    dropout_overrides,
-    length_batches,
-    length_grouped_rows,
-    load_pretrained_encoder,
-    model_config,
-    pad,
-    warn,
-)
-from .words import IGNORE, encode_words, format_entities, targets
+from .common import arg, dropout_overrides, length_grouped_rows, load_pretrained_encoder, model_config, recorded
+
+IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
 
 
 def load_data(data: str | None, errors: str = "strict") -> corpora.TaggedSentences:
@@ -76,65 +69,13 @@ def label_set(labels: list[list[str]]) -> list[str]:
     return sorted(names, key=lambda name: (name != "O", name))
 
 
-@torch.no_grad()
-def word_logits(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]], max_len: int,
-                batch_size: int = 64) -> list[tuple[Tensor, list[int]]]:
-    """For each sentence: the label logits (K, num_labels) at the first pieces of the K words that
-    have one, and which words those are."""
-    seqs, firsts, _ = encode_words(tokenizer, sentences, max_len)
-    device = next(model.parameters()).device
-    out: list[tuple[Tensor, list[int]]] = [None] * len(seqs)  # type: ignore[list-item]
-    for rows in length_batches([len(s) for s in seqs], batch_size):
-        ids, mask = pad([seqs[i] for i in rows], tokenizer.pad_id if tokenizer.pad_id is not None else 0)
-        logits = model(ids.to(device), mask.to(device)).float().cpu()          # (B, T, num_labels)
-        for b, i in enumerate(rows):
-            covered = [w for w, p in enumerate(firsts[i]) if p is not None]
-            out[i] = (logits[b, [firsts[i][w] for w in covered]], covered)
+def targets(first: list[int | None], label_ids: list[int], length: int) -> list[int]:
+    """Per-position targets: the word's label at its first piece, IGNORE everywhere else."""
+    out = [IGNORE] * length
+    for position, label in zip(first, label_ids):
+        if position is not None:
+            out[position] = label
     return out
-
-
-def label_names(model: EncoderTokenClassifier) -> list[str]:
-    return model.labels or [str(i) for i in range(model.num_labels)]
-
-
-def decode(sentences: list[list[str]], per_sentence: list[tuple[Tensor, list[int]]],
-           names: list[str]) -> list[list[str]]:
-    """One label per word, the best at its first piece; words past max_len (or without a piece) get O."""
-    out = []
-    for words, (logits, covered) in zip(sentences, per_sentence):
-        tags = ["O"] * len(words)
-        for w, k in zip(covered, logits.argmax(-1).tolist()):
-            tags[w] = names[k]
-        out.append(tags)
-    return out
-
-
-def predict_tags(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]], max_len: int,
-                 batch_size: int = 64) -> list[list[str]]:
-    return decode(sentences, word_logits(model, tokenizer, sentences, max_len, batch_size), label_names(model))
-
-
-def score(model: EncoderTokenClassifier, tokenizer: Tokenizer, sentences: list[list[str]],
-          labels: list[list[str]], max_len: int) -> dict[str, Any]:
-    """Loss (over the words the model sees) and entity precision / recall / F1 (over every word)."""
-    names = label_names(model)
-    index = {name: i for i, name in enumerate(names)}
-    per_sentence = word_logits(model, tokenizer, sentences, max_len)
-    logits = torch.cat([lg for lg, _ in per_sentence])                           # (words seen, num_labels)
-    gold = torch.tensor([index[labels[i][w]] for i, (_, covered) in enumerate(per_sentence) for w in covered])
-    loss = F.cross_entropy(logits, gold).item() if len(gold) else float("nan")
-    predicted = decode(sentences, per_sentence, names)
-    return {"val_loss": loss, **metrics.entity_scores(predicted, labels), "predicted": predicted}
-
-
-def check_labels(data: corpora.TaggedSentences, known: list[str], source: str) -> None:
-    """Every label of `data` must be one the model was trained with: name the first line that isn't."""
-    allowed = set(known)
-    for sentence, lines in zip(data.labels, data.lines):
-        for label, line in zip(sentence, lines):
-            if label not in allowed:
-                raise DataError(f"{source}:{line}: label {label!r} was not in the model's training data "
-                                f"(it knows {', '.join(known)})")
 
 
 @dataclass
@@ -159,6 +100,15 @@ class TagTask:
         return {"keep_best": True, **scratch}
 
     Options = TagOptions
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> corpora.TaggedSentences:
+        """The sentences `tformer eval` scores: those of `data`, whole; else the run's held-out split,
+        rebuilt from what `meta()` recorded (this task's defaults for what it did not)."""
+        if data is not None:
+            return load_data(data)
+        whole = load_data(recorded(cls, meta, "data"))
+        return select(whole, split(whole, recorded(cls, meta, "val_fraction"), recorded(cls, meta, "seed"))[1])
 
     def __init__(self, opts: TagOptions, tokenizer=None, init: str | None = None):
         if importlib.util.find_spec("seqeval") is None:
@@ -219,7 +169,7 @@ class TagTask:
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
         g = step_generator(self.seed, step)
-        rows = length_grouped_rows(self.by_length, arg(self.opts, "batch_size", 32), g)
+        rows = length_grouped_rows(self.by_length, self.opts.batch_size, g)
         ids, mask = pad([self.train_seqs[i] for i in rows], self.tokenizer.pad_id)
         labels, _ = pad([self.train_targets[i] for i in rows], IGNORE)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}

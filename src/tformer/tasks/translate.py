@@ -11,6 +11,9 @@ Sequences (one shared BPE vocabulary for both languages, so the embedding is sha
     source          s1 s2 … [eos]
     decoder input   [bos] t1 t2 …        (teacher forcing: the reference, shifted right)
     labels          t1 t2 … [eos]        (cross-entropy with label smoothing; padding ignored)
+
+Translating and scoring are evaluation.translate's, shared with `tformer translate` and `tformer eval`;
+`TranslateTask.heldout` rebuilds a run's held-out pairs for `tformer eval`.
 """
 
 from __future__ import annotations
@@ -20,20 +23,19 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import corpora
 from ..data.files import split_rows, step_generator
-from ..errors import ConfigError, DataError
-from ..evaluation import metrics
+from ..errors import ConfigError, DataError, warn
+from ..evaluation.translate import IGNORE, collate, encode_pairs, score, translate
 from ..model.models import EncoderDecoder
 from ..training.config import TrainOptions
 from ..training.options import below_one, option, positive_int
-from .common import arg, length_batches, length_grouped_rows, model_config, pad, warn
+from .common import arg, length_grouped_rows, model_config, recorded
 
-IGNORE = -100
+BUILTIN = ("numbers-fr-en", "bible-en-es")  # the data sets held out by name (not a user's file)
 # The default shape (when --preset is not given): 2 + 2 layers of width 128, the HF Marian reference's
 # shape; post-LN and sinusoidal positions as in the 2017 paper would also do, pre-LN trains faster.
 DEFAULT_MODEL = dict(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2, d_ff=512, max_seq_len=256, dropout=0.1)
@@ -63,77 +65,6 @@ def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int =
     return pick(train), pick(test), None
 
 
-def encode_pairs(tokenizer, sources: list[str], targets: list[str] | None, max_len: int, source_tokenizer=None):
-    """Token lists: sources (… [eos]) and, if given, targets (without specials), each cut to fit.
-    `source_tokenizer` encodes the sources when the languages have separate vocabularies."""
-    src_tok = source_tokenizer or tokenizer
-    src = [ids[:max_len - 1] + [src_tok.eos_id] for ids in src_tok.encode_batch(sources)]
-    tgt = [ids[:max_len - 1] for ids in tokenizer.encode_batch(targets)] if targets is not None else None
-    return src, tgt
-
-
-def collate(tokenizer, src: list[list[int]], tgt: list[list[int]], source_tokenizer=None) -> dict[str, Tensor]:
-    src_ids, src_mask = pad(src, (source_tokenizer or tokenizer).pad_id)
-    tgt_ids, _ = pad([[tokenizer.bos_id] + t for t in tgt], tokenizer.pad_id)
-    labels, label_mask = pad([t + [tokenizer.eos_id] for t in tgt], tokenizer.pad_id)
-    labels[label_mask == 0] = IGNORE
-    return {"src_ids": src_ids, "src_mask": src_mask, "tgt_ids": tgt_ids, "labels": labels}
-
-
-def translate(model: EncoderDecoder, tokenizer, texts: list[str], num_beams: int = 1, max_len: int = 256,
-              batch_size: int = 64, source_tokenizer=None) -> list[str]:
-    """Translations of `texts`, in order: greedy (num_beams=1) or beam search. `tokenizer` writes the
-    target; `source_tokenizer`, when the source has its own vocabulary, reads `texts`."""
-    src, _ = encode_pairs(tokenizer, texts, None, max_len, source_tokenizer)
-    device = next(model.parameters()).device
-    out: list[str] = [""] * len(texts)
-    was_training = model.training
-    model.eval()
-    for rows in length_batches([len(s) for s in src], batch_size):
-        ids, mask = pad([src[i] for i in rows], (source_tokenizer or tokenizer).pad_id)
-        limit = min(model.cfg.max_seq_len - 1, 2 * ids.size(1) + 10)  # targets are rarely twice the source
-        gen = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=limit,
-                             num_beams=num_beams, do_sample=False, eos_token_id=tokenizer.eos_id,
-                             pad_token_id=tokenizer.pad_id)
-        for r, seq in zip(rows, gen[:, 1:].tolist()):                           # drop the decoder start token
-            if tokenizer.eos_id in seq:
-                seq = seq[:seq.index(tokenizer.eos_id)]
-            out[r] = tokenizer.decode(seq).strip()
-    model.train(was_training)
-    return out
-
-
-@torch.no_grad()
-def teacher_forced_loss(model: EncoderDecoder, tokenizer, sources, targets, max_len: int, batch_size: int = 64,
-                        source_tokenizer=None) -> float:
-    """Mean cross-entropy per target token (incl. [eos]) with the reference as decoder input."""
-    src, tgt = encode_pairs(tokenizer, sources, targets, max_len, source_tokenizer)
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for rows in length_batches([len(s) + len(t) for s, t in zip(src, tgt)], batch_size):
-        batch = collate(tokenizer, [src[i] for i in rows], [tgt[i] for i in rows], source_tokenizer)
-        b = {k: v.to(device) for k, v in batch.items()}
-        logits = model(b["src_ids"], b["tgt_ids"], b["src_mask"]).float()
-        total += F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE,
-                                 reduction="sum").item()
-        count += int((b["labels"] != IGNORE).sum())
-    return total / count
-
-
-def score(model, tokenizer, sources, targets, max_len: int, num_beams: int = 1, limit: int | None = None,
-          source_tokenizer=None) -> dict:
-    """val_loss on all pairs; BLEU, chrF and exact match of generated translations of the first
-    `limit` pairs (all when None). Returns the hypotheses too."""
-    import math
-
-    loss = teacher_forced_loss(model, tokenizer, sources, targets, max_len, source_tokenizer=source_tokenizer)
-    n = len(sources) if limit is None else min(limit, len(sources))
-    hyps = translate(model, tokenizer, sources[:n], num_beams, max_len, source_tokenizer=source_tokenizer)
-    refs = targets[:n]
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "bleu": metrics.bleu(hyps, refs),
-            "chrf": metrics.chrf(hyps, refs), "exact_match": metrics.exact_match(hyps, refs), "hypotheses": hyps}
-
-
 @dataclass
 class TranslateOptions(TrainOptions):
     title = "translation (--task translate)"
@@ -157,19 +88,31 @@ class TranslateTask:
     @staticmethod
     def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
         """DEFAULT_MODEL, with the BPE vocabulary size measured best for the data set. numbers-fr-en:
-        batches of 64 at lr 2e-3 (exact match 0.998 in 10 minutes, BENCHMARKS.md), validated every 500
-        steps. bible-en-es: preset nmt-mini without dropout (a 20-minute run sees the verses about
-        three times), lr 5e-4 (measured best of 4e-3, 2e-3, 1e-3 and 5e-4: at 2e-3 the model had not
-        started to use the source after 20 minutes; batches of 16 or 64 did worse than 32;
-        BENCHMARKS.md), an average of the weights (EMA 0.995) kept as best/, validation on 100
-        verses every 2,000 steps (each one costs about 30 s of the budget), and torch.compile (3,114
-        steps in 20 minutes against 2,838: BLEU 21.4 / chrF 41.8 against 20.3 / 40.4)."""
+        batches of 64 at lr 2e-3 (BENCHMARKS.md, "Numbers fr -> en"), validated every 500 steps.
+        bible-en-es: preset nmt-mini without dropout (a 20-minute run sees the verses about three
+        times), lr 5e-4 (measured best of 4e-3, 2e-3, 1e-3 and 5e-4: at 2e-3 the model had not started
+        to use the source after 20 minutes; batches of 16 or 64 did worse than 32; BENCHMARKS.md, "Bible
+        en -> es"), an average of the weights (EMA 0.995) kept as best/, validation on 100 verses every
+        2,000 steps (each validation takes a slice of the time budget), and torch.compile (more steps in
+        the same 20 minutes, and better scores: BENCHMARKS.md, "torch.compile")."""
         if data == "numbers-fr-en":
             return {"vocab_size": 2000, "batch_size": 64, "lr": 2e-3, "eval_every": 500}
         if data == "bible-en-es":
             return {"vocab_size": 8000, "preset": "nmt-mini", "lr": 5e-4, "ema": 0.995, "keep_best": True,
                     "eval_every": 2000, "eval_sentences": 100, "compile": True}   # no dropout: the preset has none
         return {"vocab_size": 8000}
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> tuple[list[str], list[str]]:
+        """(sources, targets) that `tformer eval` scores: the pairs of a user's file `data`, whole; else the
+        held-out pairs of the run's data set (or of the built-in `data` named), rebuilt from what `meta()`
+        recorded (this task's defaults for what it did not)."""
+        if data is not None and data not in BUILTIN:
+            pairs = corpora.read_pairs(data)
+            return pairs.sources, pairs.targets
+        _, held, _ = load_split(data or recorded(cls, meta, "data"), recorded(cls, meta, "val_fraction"),
+                                recorded(cls, meta, "seed"), recorded(cls, meta, "heldout_numbers"))
+        return held
 
     def __init__(self, opts: TranslateOptions, tokenizer=None, init: str | None = None, source_tokenizer=None):
         if init is not None:

@@ -20,6 +20,11 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
             # None under --max-steps), as option values ({"preset": ..., "lr": ..., "ema": ...}): its
             # best measured recipe. A flag the user gives wins; options neither sets keep the field's
             # default. `tformer train` prints what the recipe chose (see `resolve_options`).
+        @classmethod
+        def heldout(cls, meta, data=None, ...)
+            # what `tformer eval` scores: the file `data` whole, else the run's held-out split rebuilt
+            # from what meta() recorded (the task's own defaults, default_data and its Options fields'
+            # defaults, for what it did not record), exactly the rows `evaluate` scored in training.
         def __init__(self, opts, tokenizer=None, init=None):
             # opts: an Options instance (common fields: data, preset, tokenizer, vocab_size, context,
             #   dropout, batch_size, seed, val_fraction, init, ...).
@@ -62,6 +67,7 @@ from typing import Any, ClassVar, Protocol
 
 from torch import Tensor, nn
 
+from ..checkpoints.layout import default_run_dir
 from ..errors import ConfigError
 from .options import (
     CHANGE,
@@ -136,7 +142,8 @@ class TrainConfig:
         0, "skip up to N steps whose loss or gradient is NaN/inf (no update) before stopping; the default 0 stops "
         "at the first, keeping the last good checkpoint", resume=CHANGE, type=nonneg_int, metavar="N")
     # bf16 autocast: matmuls in bfloat16, master weights in fp32. Only where the hardware computes
-    # bf16 itself: a CPU without AVX-512 BF16 / AMX emulates it, 25x slower than fp32 (BENCHMARKS.md).
+    # bf16 itself: a CPU without AVX-512 BF16 / AMX emulates it, far slower than fp32 (BENCHMARKS.md,
+    # "bf16 on an AVX2 CPU").
     precision: str = option("auto", "bf16 autocast where the device computes bf16 natively (a recent GPU, a CPU "
                             "with AVX-512 BF16 or AMX), else fp32 (default: auto); or force bf16 / fp32",
                             choices=("auto", "fp32", "bf16"))
@@ -215,6 +222,21 @@ class TrainOptions(TrainConfig):
     val_fraction: float = option(0.1, "share of the data held out for validation (default 0.1)", type=fraction)
     init: str | None = option(None, "start from the weights (and tokenizer) of this checkpoint", metavar="DIR")
     resume: str | None = option(None, "continue the run in DIR (a run or checkpoint directory)", metavar="DIR")
+
+
+DEFAULT_TIME_BUDGET = 300.0  # seconds: how long a run trains when given neither max_steps nor time_budget
+
+
+def run_defaults(values: dict[str, Any], task: str) -> dict[str, Any]:
+    """What a run of `task` (`tformer train`, `fit`, tformer.training.session.train) takes for the options
+    `values` leaves unset (None): time_budget DEFAULT_TIME_BUDGET when max_steps is unset too, and out a new
+    runs/<task>-<date>-<time> (tformer.checkpoints.layout.default_run_dir). Only those entries."""
+    filled: dict[str, Any] = {}
+    if values.get("max_steps") is None and values.get("time_budget") is None:
+        filled["time_budget"] = DEFAULT_TIME_BUDGET
+    if values.get("out") is None:
+        filled["out"] = default_run_dir(task)
+    return filled
 
 
 def resolve_options(cls: type, given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

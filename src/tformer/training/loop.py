@@ -1,7 +1,6 @@
-"""The training loop: `fit(task, cfg)` builds the model and optimizer (or restores them from a
-checkpoint), then steps, logs, validates and saves until a stop condition. What it writes goes
-through tformer.training.rundir; the weight average is tformer.training.ema, the NaN/inf watch tformer.training.guard.
-See tformer.training.config for the Task protocol and the options."""
+"""The training loop: `fit(task, cfg)` builds (or restores) the model and optimizer, then steps, logs, validates
+and saves until a stop condition; it writes through tformer.training.rundir, averages weights with training.ema and
+watches for NaN/inf with training.guard. The Task protocol and options: training.config; a run from options: session."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from ..checkpoints.layout import EMA as EMA_FILE
 from ..checkpoints.layout import OPTIMIZER, RNG, checkpoint_dir
 from ..data.files import micro_batches, varying_dims
 from ..devices import cxx_compiler, native_bf16, pick_device
-from .config import Task, TrainConfig
+from .config import Task, TrainConfig, run_defaults
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
@@ -85,7 +84,7 @@ class Trainer:
         if no_compiler:
             self._say("warning: --compile needs a C++ compiler (g++ or clang++, or set CXX); training without it")
         # the loss is compiled with the model: the softmax over the vocabulary and its gradient fuse
-        # into a few passes instead of several tensors of (tokens x vocabulary) (BENCHMARKS.md)
+        # into a few passes instead of several tensors of (tokens x vocabulary) (BENCHMARKS.md, "torch.compile")
         compiling = cfg.compile and not no_compiler
         self.train_loss = partial(self.task.loss, self.model)
         self.train_loss = torch.compile(self.train_loss) if compiling else self.train_loss
@@ -294,7 +293,8 @@ class Trainer:
 
 def fit(task: Task, cfg: TrainConfig, resume: str | None = None, command: list[str] | None = None,
         args: dict[str, Any] | None = None) -> FitResult:
-    """Train `task` as described by `cfg`, writing into cfg.out; continue from the checkpoint
-    directory `resume` if given."""
+    """Train `task` as `cfg` says, continuing from the checkpoint directory `resume` if given; unset out and budget as
+    `tformer train` (config.run_defaults). The task built from options, as that command: session.train."""
+    cfg = replace(cfg, **run_defaults(vars(cfg), task.name))
     cfg.check()
     return Trainer(task, cfg, command=command, args=args).run(resume)

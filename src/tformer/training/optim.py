@@ -50,9 +50,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, list[str]]:
     """AdamW over `model` and the parameter names in optimizer order (for saving its state by name).
     Plain tensors on a CPU or a CUDA GPU get PyTorch's fused AdamW, one kernel for every parameter's
-    update: the same update, 2.6x faster than its loop over the parameters on the CPU (the Bible
-    model's 7.7M parameters: 15.5 -> 5.9 ms a step, BENCHMARKS.md). FSDP's sharded parameters keep
-    the loop."""
+    update: the same update, faster than its loop over the parameters on the CPU (BENCHMARKS.md, "What
+    makes a CPU training step fast"). FSDP's sharded parameters keep the loop."""
     groups = param_groups(model, cfg.weight_decay)
     names = [n for g in groups for n in g.pop("names")]
     params = [p for g in groups for p in g["params"]]

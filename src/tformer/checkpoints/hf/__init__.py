@@ -21,15 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ...errors import CheckpointError, ConfigError
-from ..format import load_state, replace_dir, unique_state_dict, write_json_atomic
+from ..files import atomic_dir, write_json_atomic
+from ..format import load_state, unique_state_dict
 from . import bart, bert, gpt2, keymap, llama, marian, t5
 
 log = logging.getLogger(__name__)
@@ -171,19 +170,12 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
     hf_config = {**family.config_to_hf(cfg), **extra,
                  "dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with atomic_dir(path) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", hf_config)
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
             write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"})
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -1,9 +1,9 @@
 """Words and their sub-word pieces, for token tagging: which piece carries a word's label (the
-first), and how tagged words group into entities.
+first), how `tformer tag` cuts a text into words, and how tagged words group into entities.
 
     words:   Ed        Miliband              flew
     pieces:  [bos] ed  mil  ##iba  ##nd      flew   [eos]
-    target:  -100  B   I    -100   -100      O      -100      (IGNORE: no label, no loss)
+    label:   -     B   I    -      -         O      -         (-: the piece carries no label)
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import re
 
 from ..data.tokenizers import Tokenizer, check_text
-
-IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
 
 # How `tformer tag` cuts a text into words: runs that start with a letter, digit, @ or # and end with
 # a letter, digit or / (so "Paris," is "Paris" + ",", while @names, #tags and URLs stay whole), and
@@ -48,16 +46,6 @@ def encode_words(tokenizer: Tokenizer, sentences: list[list[str]],
         seqs.append(bos + enc.ids[:room] + eos)
         firsts.append(first)
     return seqs, firsts, cut
-
-
-def targets(first: list[int | None], label_ids: list[int], length: int) -> list[int]:
-    """Per-position targets: the word's label at its first piece, IGNORE everywhere else."""
-    out = [IGNORE] * length
-    for position, label in zip(first, label_ids):
-        if position is not None:
-            out[position] = label
-    return out
-
 
 
 def entity_spans(tags: list[str]) -> list[tuple[int, int, str]]:
