@@ -117,8 +117,8 @@ def _kernel_formula(x, q, s, bias):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 64])
 @pytest.mark.parametrize("bias", [True, False])
 def test_decoding_rows_take_tformers_int8_kernel(rows, bias):
-    """Up to KERNEL_ROWS rows (beams x sentences), Int8Linear runs kernels/gemv_int8.c's integer kernel: each row rounded to 7 bits
-    on its own range (the formula written out here), the error within |y - y_exact| <=
+    """Up to KERNEL_ROWS rows (beams x sentences), Int8Linear runs tformer's integer kernel (kernels/gemv_int8.c):
+    each row rounded to 7 bits on its own range (the formula written out here), the error within |y - y_exact| <=
     (s_n / 2) Σ_k |x_k| + ((hi - lo) / 256) Σ_k s_n |q_nk|; K not a multiple of 4, N not of 16."""
     torch.manual_seed(rows)
     linear = nn.Linear(103, 37, bias=bias)
