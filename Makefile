@@ -7,7 +7,7 @@ CORE    := .venv/.core
 STAMP   := .venv/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test lint test-slow bench system-deps clean
+.PHONY: demo test lint test-slow test-llama-cpp llama-cpp bench system-deps clean
 
 # What the demo needs: torch, the core dependencies, matplotlib for the loss plot, the Hamlet text.
 $(CORE): pyproject.toml
@@ -42,6 +42,19 @@ lint: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# llama.cpp for the GGUF parity tests (tests/test_gguf_llama_cpp.py, skipped without it): llama-cpp-python
+# built from its source package with this machine's compiler, about 8 minutes on 2 cores the first time.
+LLAMA_CPP := .venv/.llama-cpp
+$(LLAMA_CPP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
+		$(UV) pip install -q --python $(PY) --no-binary llama-cpp-python -e ".[llama-cpp]"
+	touch $(LLAMA_CPP)
+
+llama-cpp: $(LLAMA_CPP)
+
+test-llama-cpp: $(LLAMA_CPP)
+	$(PY) -m pytest -q tests/test_gguf.py tests/test_gguf_llama_cpp.py
 
 bench: $(STAMP)
 	$(PY) -m tformer.cli bench

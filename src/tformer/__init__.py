@@ -22,6 +22,7 @@ _EXPORTS = {
     "EncoderClassifier": "model.heads", "EncoderTokenClassifier": "model.heads",
     "save": "checkpoints.format", "load": "checkpoints.format",
     "from_hf": "checkpoints.hf", "to_hf": "checkpoints.hf",  # torch + safetensors; never imports transformers
+    "from_gguf": "checkpoints.gguf", "to_gguf": "checkpoints.gguf",  # llama.cpp's format; the gguf package
     "TformerError": "errors", "ConfigError": "errors", "CheckpointError": "errors", "DataError": "errors",
 }
 

@@ -5,7 +5,9 @@
         (tmp / "model.safetensors").write_bytes(...)
     # here `path` holds everything written to tmp; had the block raised, nothing changed at `path`
 
-A process killed mid-write leaves only the hidden directory, which loading never reads and a
+    with atomic_file(path) as tmp:     # one file (a GGUF): a hidden .NAME.tmp-XXXXXXXX, renamed into place
+
+A process killed mid-write leaves only the hidden directory (or file), which loading never reads and a
 resumed run deletes (tformer.checkpoints.layout.hidden_leftovers).
 """
 
@@ -55,4 +57,22 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Write the file `path` all at once: yields a hidden temporary path next to it to write; when the
+    block ends, flushes it to disk and renames it into place (replacing an existing file); when the
+    block raises (KeyboardInterrupt included), deletes it and lets the error through."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise

@@ -23,6 +23,7 @@ from ..data.tokenizers import Tokenizer
 from ..errors import CheckpointError, TformerError
 from ..model.config import ModelConfig
 from ..model.heads import EncoderClassifier, EncoderTokenClassifier
+from ..model.lora import refuse_adapters
 from ..model.models import Decoder, Encoder, EncoderDecoder
 from .files import atomic_dir, write_json_atomic
 from .layout import CONFIG, resolve
@@ -82,6 +83,7 @@ def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[s
     arch = type(model).__name__
     if arch not in ARCHITECTURES:
         raise TypeError(f"cannot save a {arch}; expected one of {', '.join(ARCHITECTURES)}")
+    refuse_adapters(model, "save")   # a plain model could not load the adapter keys back
     with atomic_dir(path) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
         save_file(state, str(tmp / WEIGHTS))

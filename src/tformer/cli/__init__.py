@@ -32,6 +32,8 @@ COMMANDS = {
     "trace": "print the path of one input through the model, with shapes",
     "import-hf": "convert a Hugging Face checkpoint directory to tformer",
     "export-hf": "convert a tformer checkpoint to a Hugging Face directory",
+    "import-gguf": "convert a GGUF file (llama.cpp; gpt2 or llama) to a tformer checkpoint",
+    "export-gguf": "write a decoder checkpoint as a GGUF file for llama.cpp (f32, f16 or q8_0)",
     "bench": "benchmark tformer against Hugging Face and the machine's limits",
     "serve": "serve a checkpoint over HTTP with OpenAI's API (continuous batching)",
 }

@@ -53,3 +53,16 @@ def check_destination(src: Path, dst: Path, force: bool) -> None:
         raise TformerError(f"DST {dst} is the same directory as SRC (choose another DST)")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise TformerError(f"{dst} exists and is not empty (pass --force to replace it)")
+
+
+def check_file_destination(src: Path, dst: Path, force: bool) -> None:
+    """As check_destination, for a command that writes one file (a .gguf)."""
+    if dst.is_dir():
+        raise TformerError(f"{dst} is a directory (give the path of the file to write)")
+    above = next((p for p in dst.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise TformerError(f"cannot create {dst}: {above} is a file, not a directory (choose another path)")
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise TformerError(f"{dst} is SRC itself (choose another path)")
+    if dst.exists() and not force:
+        raise TformerError(f"{dst} exists (pass --force to replace it)")

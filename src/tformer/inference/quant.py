@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from ..devices import native_bf16
 from ..kernels import gemv
 from ..model.linear import Plan
+from ..model.lora import refuse_adapters
 
 ACTIVATIONS = ("int8", "float")
 # Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
@@ -194,6 +195,7 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str
     """Replace every nn.Linear in `model` (in place) by an Int8Linear, except those whose qualified
     name starts with one of `skip`. Returns the model. For inference only: Int8Linear has no
     trainable parameters."""
+    refuse_adapters(model, "quantise", merged_ok=True)    # Int8Linear would keep W and drop the adapters
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(name.startswith(s) for s in skip)]
     for name, linear in targets:

@@ -50,14 +50,26 @@ def _token_text(value) -> str:
 
 
 def find_chat_template(directory: Path) -> ChatTemplate | None:
-    """The chat template stored in a checkpoint directory (copied there by `tformer import-hf`), or None."""
-    config_file = directory / TOKENIZER_CONFIG
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    source = config.get("chat_template")
+    """The chat template stored in a checkpoint directory (copied there by `tformer import-hf` or
+    `import-gguf`), or None."""
+    source = chat_template_source(directory)
+    if source is None:
+        return None
+    config = _tokenizer_config(directory)
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+def chat_template_source(directory: Path) -> str | None:
+    """The Jinja text of a directory's chat template: chat_template.jinja, else tokenizer_config.json's
+    chat_template (its "default" one when it names several); None when it has none."""
+    if (directory / TEMPLATE_FILE).is_file():
+        return (directory / TEMPLATE_FILE).read_text(encoding="utf-8") or None
+    source = _tokenizer_config(directory).get("chat_template")
     if isinstance(source, list):     # named templates: [{"name": "default", "template": ...}, ...]
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    if (directory / TEMPLATE_FILE).is_file():
-        source = (directory / TEMPLATE_FILE).read_text(encoding="utf-8")
-    if not isinstance(source, str) or not source:
-        return None
-    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+    return source if isinstance(source, str) and source else None
+
+
+def _tokenizer_config(directory: Path) -> dict:
+    config_file = directory / TOKENIZER_CONFIG
+    return json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import CheckpointError, ConfigError
+from ...model.lora import refuse_adapters
 from ..files import atomic_dir, write_json_atomic
 from ..format import load_state, unique_state_dict
 from . import bart, bert, gpt2, keymap, llama, marian, t5
@@ -150,12 +151,11 @@ def hf_family(model: nn.Module):
     raise ConfigError(f"no Hugging Face family represents this {cfg.kind} exactly: {'; '.join(reasons)}")
 
 
-def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
-    """Write `model` as a Hugging Face directory (config.json + model.safetensors, + tokenizer.json
-    when `tokenizer` — anything with .save(path) — is given) that transformers loads with
-    `AutoModel*.from_pretrained(path)`. An existing directory at `path` is replaced atomically."""
-    from safetensors.torch import save_file
-
+def hf_state_dict(model: nn.Module) -> tuple[object, dict[str, Tensor]]:
+    """(family, tensors): the tensors `to_hf` writes, by their HF names without the base-model prefix
+    ("h.0.attn.c_attn.weight", "layers.0.self_attn.q_proj.weight"), on the CPU. The GGUF export
+    starts from these, as llama.cpp's converter starts from an HF directory."""
+    refuse_adapters(model, "export", merged_ok=True)   # the key map would write the base weights alone
     family = hf_family(model)
     cfg = model.cfg
     state = {k: v.detach().cpu() for k, v in unique_state_dict(model).items()}
@@ -164,6 +164,17 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
     state = keymap.to_hf(_rules(family, model), state, cfg)
     if hasattr(family, "export_extra"):
         family.export_extra(state, cfg)
+    return family, state
+
+
+def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
+    """Write `model` as a Hugging Face directory (config.json + model.safetensors, + tokenizer.json
+    when `tokenizer` — anything with .save(path) — is given) that transformers loads with
+    `AutoModel*.from_pretrained(path)`. An existing directory at `path` is replaced atomically."""
+    from safetensors.torch import save_file
+
+    family, state = hf_state_dict(model)
+    cfg = model.cfg
     extra, p, heads = (family.export_for(model) if hasattr(family, "export_for")
                        else ({}, family.EXPORT_PREFIX, family.HEAD_KEYS))
     state = {(k if k in heads else p + k): v.contiguous() for k, v in state.items()}
@@ -188,4 +199,5 @@ def load_hf_tokenizer(path: str | os.PathLike):
     return Tokenizer.from_file(file) if file.exists() else None
 
 
-__all__ = ["from_hf", "convert_hf", "to_hf", "load_hf_tokenizer", "hf_family", "read_hf_config", "FAMILIES"]
+__all__ = ["from_hf", "convert_hf", "to_hf", "hf_state_dict", "load_hf_tokenizer", "hf_family", "read_hf_config",
+           "FAMILIES"]
