@@ -379,7 +379,7 @@ def test_bad_input_gets_one_line_and_writes_nothing(argv, key, ws, capsys, monke
 def test_export_then_import_keeps_the_model_tokenizer_and_chat_template(ws, tokenizer, tmp_path, capsys):
     import tformer
     from tformer.checkpoints.format import load_tokenizer
-    from tformer.serve.chat import find_chat_template
+    from tformer.data.chat_template import find_chat_template
 
     rc, out, _ = run_main(["export-gguf", ws / "llama", tmp_path / "m.gguf", "--type", "q8_0"], capsys)
     assert rc == 0 and "GGUF llama (q8_0) + tokenizer + chat template" in out

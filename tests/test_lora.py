@@ -357,9 +357,10 @@ def test_refusals_name_what(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": 3}))
     with pytest.raises(ConfigError, match="r=3"):
         from_peft(tformer.from_hf(tmp_path / "gpt2"), adapter)
-    from tformer.inference.quant import quantize_int8
-    with pytest.raises(ConfigError, match="Int8Linear"):
-        apply_lora(quantize_int8(tformer.from_hf(tmp_path / "llama")), r=2, alpha=2)
+    llama = tformer.from_hf(tmp_path / "llama")       # a layer neither Linear nor int8 (QLoRA: test_lora_train)
+    llama.stack.layers[0].attn.qkv_proj = torch.nn.Identity()
+    with pytest.raises(ConfigError, match="Identity, neither a Linear"):
+        apply_lora(llama, r=2, alpha=2)
 
 
 def test_nothing_drops_an_unmerged_adapter_without_a_word(tmp_path):

@@ -1,6 +1,7 @@
 """Checkpoints: a directory with `config.json` (architecture, ModelConfig, checksums) and
 `model.safetensors` (+ `tokenizer.json` when the model has one, and `source_tokenizer.json` for a
-translator with separate source and target vocabularies). Loading never executes code.
+translator with separate source and target vocabularies). Loading never executes code. A LoRA
+checkpoint holds an adapter instead of model.safetensors and names its base (tformer.checkpoints.adapter).
 
 Writes are atomic: everything goes into a hidden temporary directory next to the target, which
 is renamed into place only when complete (tformer.checkpoints.files.atomic_dir). This module knows
@@ -25,6 +26,16 @@ from ..model.config import ModelConfig
 from ..model.heads import EncoderClassifier, EncoderTokenClassifier
 from ..model.lora import refuse_adapters
 from ..model.models import Decoder, Encoder, EncoderDecoder
+from .adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    attach,
+    base_dir,
+    base_reference,
+    check_base,
+    read_adapter_config,
+    write_adapter,
+)
 from .files import atomic_dir, write_json_atomic
 from .layout import CONFIG, resolve
 
@@ -73,21 +84,34 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def save(model: nn.Module, path: str | os.PathLike, tokenizer=None, meta: dict[str, Any] | None = None,
-         extra_files: dict[str, bytes] | None = None, source_tokenizer=None) -> Path:
+         extra_files: dict[str, bytes] | None = None, source_tokenizer=None,
+         adapter_base: str | os.PathLike | None = None) -> Path:
     """Write `model` (and its tokenizer, anything with `.save(path)` writing tokenizer.json) to `path`.
     `source_tokenizer`: an EncoderDecoder's source-side tokenizer when it has its own vocabulary.
-    `meta` is stored in config.json (task, label names, data split...). Returns the directory."""
+    `meta` is stored in config.json (task, label names, data split...). `adapter_base`: a checkpoint
+    `model` is that one's model with LoRA adapters: only the adapter is written, naming that base
+    (tformer.checkpoints.adapter). Returns the directory."""
     from safetensors.torch import save_file
 
     path = Path(path)
     arch = type(model).__name__
     if arch not in ARCHITECTURES:
         raise TypeError(f"cannot save a {arch}; expected one of {', '.join(ARCHITECTURES)}")
-    refuse_adapters(model, "save")   # a plain model could not load the adapter keys back
+    if adapter_base is None:
+        refuse_adapters(model, "save")   # a plain model could not load the adapter keys back
+    else:
+        base = read_config(adapter_base)      # checked (checksums) when loaded, not at every save
+        if WEIGHTS not in (base.get("files") or {}):
+            raise CheckpointError(f"LoRA base {base['_dir']} is not a full checkpoint (it has no {WEIGHTS})")
+        base_record = (base_reference(Path(base["_dir"]), path), base["files"][WEIGHTS])
     with atomic_dir(path) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
-        save_file(state, str(tmp / WEIGHTS))
-        files = {WEIGHTS: sha256(tmp / WEIGHTS)}
+        if adapter_base is None:
+            state = {k: v.detach().contiguous().cpu() for k, v in unique_state_dict(model).items()}
+            save_file(state, str(tmp / WEIGHTS))
+            names = [WEIGHTS]
+        else:
+            names = write_adapter(tmp, model, *base_record)
+        files = {name: sha256(tmp / name) for name in names}
         for name, tok in ((TOKENIZER, tokenizer), (SOURCE_TOKENIZER, source_tokenizer)):
             if tok is not None:
                 tok.save(str(tmp / name))
@@ -140,7 +164,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
     files = data.get("files") or {}
     if not isinstance(files, dict):
         raise CheckpointError(f"{Path(data['_dir']) / CONFIG}: 'files' must map file names to sha256 checksums")
-    if WEIGHTS not in files:  # save() always records it: without it, damage would go unnoticed
+    if WEIGHTS not in files and ADAPTER_WEIGHTS not in files:  # save() records one: else damage would go unnoticed
         raise CheckpointError(f"{Path(data['_dir']) / CONFIG} records no checksum for {WEIGHTS} "
                               "(not written by tformer.save; re-save the model)")
     verify_files(Path(data["_dir"]), files)
@@ -205,8 +229,19 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load(path: str | os.PathLike, device: str | torch.device | None = None) -> nn.Module:
     """Load a model saved by `save` (or from a run directory: its `best/` model if it has one, else
     its newest checkpoint; see `resolve`). The model is in eval mode; move it with `device` or `.to(...)`."""
-    data = verify(path)
+    return _load(verify(path), device)
+
+
+def _load(data: dict[str, Any], device) -> nn.Module:
+    """load() of a verified config.json."""
     ckpt = Path(data["_dir"])
+    if ADAPTER_CONFIG in data["files"]:   # a LoRA checkpoint: its base, then the adapter
+        config = read_adapter_config(ckpt)
+        base = base_dir(ckpt, config)
+        base_data = verify(base) if (base / CONFIG).is_file() else {"files": {}}
+        check_base(ckpt, base, config["base_sha256"], base_data["files"].get(WEIGHTS))
+        model = attach(_load(base_data, None), config, read_safetensors(ckpt / ADAPTER_WEIGHTS), str(ckpt))
+        return (model.to(device) if device is not None else model).eval()
     if not (ckpt / WEIGHTS).exists():
         raise CheckpointError(f"{ckpt / WEIGHTS} is missing")
     model = build(data)

@@ -8,6 +8,12 @@
     RUN/best/                              with --keep-best: the model of the evaluation with the best
                                            `best_metric` (its record in config.json meta["best"])
 
+A LoRA run (`--lora-r`) writes each of those checkpoints as an adapter (tformer.checkpoints.adapter:
+adapter_model.safetensors + adapter_config.json instead of model.safetensors) naming its base: the
+--init checkpoint when the task's model is exactly that one, else the model as built, saved once as
+
+    RUN/base/                              a plain checkpoint: the frozen base of the run's adapters
+
 A run given no directory goes to runs/<task>-<date>-<time> (`default_run_dir`).
 `tformer.load(RUN)` takes best/ when there is one, else the newest complete step-*; `--resume RUN`
 always the newest step-* (best/ holds the best model, not where training stopped). Writes are atomic:
@@ -28,6 +34,7 @@ from ..errors import CheckpointError
 CONFIG = "config.json"  # every checkpoint's manifest; checkpoint.save renames the directory into place
 CHECKPOINTS = "checkpoints"
 BEST = "best"
+BASE = "base"  # a LoRA run's base, when it is not its --init checkpoint
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
 STATE = "trainer_state.json"   # where training stopped: step, clock, best, arguments
@@ -56,7 +63,7 @@ def step_dirs(run: Path) -> list[Path]:
 def hidden_leftovers(run: Path) -> list[Path]:
     """Temporary directories of a save or prune that was killed (never loaded; safe to delete)."""
     folder = run / CHECKPOINTS
-    return [*(folder.glob(".step-*") if folder.is_dir() else ()), *run.glob(f".{BEST}.*")]
+    return [*(folder.glob(".step-*") if folder.is_dir() else ()), *run.glob(f".{BEST}.*"), *run.glob(f".{BASE}.*")]
 
 
 def holds_run(run: Path) -> bool:

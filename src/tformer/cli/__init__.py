@@ -36,6 +36,7 @@ COMMANDS = {
     "export-gguf": "write a decoder checkpoint as a GGUF file for llama.cpp (f32, f16 or q8_0)",
     "bench": "benchmark tformer against Hugging Face and the machine's limits",
     "serve": "serve a checkpoint over HTTP with OpenAI's API (continuous batching)",
+    "chat": "talk with a chat model in the terminal, replies streamed",
 }
 
 

@@ -66,3 +66,27 @@ def check_file_destination(src: Path, dst: Path, force: bool) -> None:
         raise TformerError(f"{dst} is SRC itself (choose another path)")
     if dst.exists() and not force:
         raise TformerError(f"{dst} exists (pass --force to replace it)")
+
+
+def add_sampling_flags(p, defaults, max_new_tokens_help: str) -> None:
+    """The sampling flags `tformer generate` and `tformer chat` share, with `defaults` (a
+    generation.settings.Defaults) shown in --help; --max-new-tokens defaults to None (the caller's rule)."""
+    from tformer.cli.args import nonneg_float, nonneg_int, positive_float, probability, seed, unit_open_closed
+
+    p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N", help=max_new_tokens_help)
+    p.add_argument("--temperature", type=nonneg_float, default=defaults.temperature, metavar="T",
+                   help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
+                        "(default %(default)s)")
+    p.add_argument("--top-k", type=nonneg_int, default=defaults.top_k, metavar="K",
+                   help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
+    p.add_argument("--top-p", type=unit_open_closed, default=defaults.top_p, metavar="P",
+                   help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
+                        "(default %(default)s)")
+    p.add_argument("--min-p", type=probability, default=defaults.min_p, metavar="P",
+                   help=f"drop tokens less likely than P times the most likely one (default {defaults.min_p or 'off'})")
+    p.add_argument("--repetition-penalty", type=positive_float, default=defaults.repetition_penalty, metavar="R",
+                   help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical "
+                        "(default %(default)g)")
+    p.add_argument("--seed", type=seed, default=None,
+                   help="random seed: the same seed gives the same text (default: random)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")

@@ -31,8 +31,8 @@ def run(args) -> int:
     from tformer.checkpoints.format import TOKENIZER, load, resolve
     from tformer.checkpoints.gguf import to_gguf
     from tformer.checkpoints.hf import hf_family
+    from tformer.data.chat_template import chat_template_source
     from tformer.data.tokenizers import Tokenizer
-    from tformer.serve.chat import chat_template_source
 
     src, out = Path(args.src), Path(args.out)
     check_file_destination(src, out, args.force)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 
 from tformer.cli import COMMANDS
-from tformer.cli.args import nonneg_float, nonneg_int, positive_float, positive_int, probability, seed, unit_open_closed
+from tformer.cli.args import positive_int
+from tformer.cli.common import add_sampling_flags
 from tformer.generation.settings import TEXT_DEFAULTS as DEFAULTS
 
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
@@ -28,31 +29,13 @@ def register(sub) -> None:
                    help="checkpoint directory or run directory (its newest checkpoint); must contain tokenizer.json")
     p.add_argument("--prompt", required=True, metavar="TEXT",
                    help="text to continue; '-' reads it from stdin. For an encoder-decoder model: the source text")
-    p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N",
-                   help=f"stop after N new tokens (default {DEFAULTS.max_new_tokens}); "
-                        "a decoder whose context fills "
-                        f"up continues from the last half-context of text")
-    p.add_argument("--temperature", type=nonneg_float, default=DEFAULTS.temperature, metavar="T",
-                   help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
-                        "(default %(default)s)")
-    p.add_argument("--top-k", type=nonneg_int, default=DEFAULTS.top_k, metavar="K",
-                   help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
-    p.add_argument("--top-p", type=unit_open_closed, default=DEFAULTS.top_p, metavar="P",
-                   help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
-                        "(default %(default)s)")
-    p.add_argument("--min-p", type=probability, default=DEFAULTS.min_p, metavar="P",
-                   help=f"drop tokens less likely than P times the most likely one (default {DEFAULTS.min_p or 'off'})")
-    p.add_argument("--repetition-penalty", type=positive_float, default=DEFAULTS.repetition_penalty, metavar="R",
-                   help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical "
-                        "(default %(default)g)")
+    add_sampling_flags(p, DEFAULTS, f"stop after N new tokens (default {DEFAULTS.max_new_tokens}); a decoder whose "
+                                    "context fills up continues from the last half-context of text")
     p.add_argument("--num-beams", type=positive_int, default=DEFAULTS.num_beams, metavar="N",
                    help="beam search with N beams: the most likely continuation; sampling flags are ignored and the "
                         "text is printed at the end (default %(default)s)")
-    p.add_argument("--seed", type=seed, default=None,
-                   help="random seed: the same seed gives the same text (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the generated text contains STR (not printed); repeatable")
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
     p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt before it")
     p.set_defaults(func=run)
 

@@ -29,7 +29,7 @@ def run(args) -> int:
     from tformer.checkpoints.format import save
     from tformer.checkpoints.gguf import from_gguf
     from tformer.checkpoints.hf import hf_family
-    from tformer.serve.chat import TEMPLATE_FILE, TOKENIZER_CONFIG
+    from tformer.data.chat_template import TEMPLATE_FILE, TOKENIZER_CONFIG
 
     src, dst = Path(args.src), Path(args.dst)
     check_destination(src, dst, args.force)

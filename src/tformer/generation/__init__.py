@@ -33,10 +33,11 @@ from .processors import (
 from .sampling import choose, make_generator
 from .settings import DEFAULTS, OPENAI_DEFAULTS, TEXT_DEFAULTS, eos_ids
 from .stopping import TextStream, sequence_hits
-from .text import prompt_ids, stream_text, windowed
+from .text import prompt_ids, stream_text, text_pieces, windowed
 
 __all__ = [
-    "generate", "stream", "stream_text", "windowed", "eos_ids", "prompt_ids", "TextStream", "sequence_hits",
+    "generate", "stream", "stream_text", "text_pieces", "windowed", "eos_ids", "prompt_ids", "TextStream",
+    "sequence_hits",
     "apply_repetition_penalty", "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter",
     "process_logits", "greedy", "sample", "choose", "make_generator", "DEFAULTS", "TEXT_DEFAULTS", "OPENAI_DEFAULTS",
 ]

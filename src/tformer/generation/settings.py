@@ -3,6 +3,7 @@ the decoding defaults of every caller, stated here once.
 
     DEFAULTS         generate() / stream() / beam search: Hugging Face's
     TEXT_DEFAULTS    `tformer generate` and the LM task's progress samples: sampled text
+    CHAT_DEFAULTS    `tformer chat`: sampled text, longer replies
     OPENAI_DEFAULTS  the server (serve/schemas.py, serve/scheduler.py): OpenAI's documented ones
 """
 
@@ -35,6 +36,9 @@ DEFAULTS = Defaults(max_new_tokens=20, do_sample=False, temperature=1.0, top_k=5
 # Sampled text: a common balance between variety and coherence (a little sharper than the model's
 # distribution, without its least likely tail), and long enough to read.
 TEXT_DEFAULTS = replace(DEFAULTS, max_new_tokens=200, do_sample=True, temperature=0.8, top_p=0.95)
+# A chat reply: sampled as text is; it ends at EOS, so the cap only stops a model that never ends a turn
+# (`tformer chat` also keeps it within half the context, so the conversation keeps room).
+CHAT_DEFAULTS = replace(TEXT_DEFAULTS, max_new_tokens=512)
 # OpenAI's API: max_tokens 16 (completions), temperature 1 and top_p 1 (the model's own distribution);
 # it has no top-k, so tformer's top_k is off unless a request sets it.
 OPENAI_DEFAULTS = replace(DEFAULTS, max_new_tokens=16, do_sample=True, top_k=None)

@@ -44,7 +44,7 @@ def stream_text(model, tokenizer, prompt: str, *, stop_strings=(), include_stop:
         steps = windowed(model, ids, **kwargs)
     else:
         steps = stream(model, torch.tensor([ids], device=_device(model)), **kwargs)  # checks arguments now
-    return _text_pieces(steps, TextStream(tokenizer, stop_strings, include_stop), set(kwargs["eos_token_id"]))
+    return text_pieces(steps, TextStream(tokenizer, stop_strings, include_stop), set(kwargs["eos_token_id"]))
 
 
 def windowed(model, ids: list[int], max_new_tokens: int = 20, **kwargs) -> Iterator[Tensor]:
@@ -81,7 +81,8 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _text_pieces(steps: Iterator[Tensor], text: TextStream, eos: set[int]) -> Iterator[str]:
+def text_pieces(steps: Iterator[Tensor], text: TextStream, eos: set[int]) -> Iterator[str]:
+    """The text of one row's steps (from stream()), as `text` releases it, up to the first id in `eos`."""
     for tokens in steps:
         token = int(tokens[0])
         if token in eos:

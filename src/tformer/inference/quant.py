@@ -59,9 +59,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..devices import native_bf16
+from ..errors import ConfigError
 from ..kernels import gemv
 from ..model.linear import Plan
-from ..model.lora import refuse_adapters
+from ..model.lora import LoRALinear, refuse_adapters
 
 ACTIVATIONS = ("int8", "float")
 # Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
@@ -189,6 +190,40 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, "
                 f"activations={self.activations}")
+
+    def with_adapters(self) -> Int8LoRALinear:
+        """This layer as the frozen base of LoRA adapters (tformer.model.lora.add_adapter calls it)."""
+        return Int8LoRALinear(self)
+
+
+class Int8LoRALinear(LoRALinear):
+    """LoRA on a frozen int8 base (QLoRA on a CPU): y = Int8Linear(x) + s·B A dropout(x), the adapters in
+    fp32. Merging is refused: W + s·B A rounded to int8 again is not what was trained (peft #2321);
+    tformer.model.lora.merge on the fp32 base (load it without --lora-int8) is the way to a plain model."""
+
+    def __init__(self, base: Int8Linear):
+        nn.Module.__init__(self)                 # no fp32 weight: the base holds int8 ones
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.base, self.lora, self.merged = base, nn.ModuleDict(), False
+
+    weight = property(lambda self: self.base.weight)
+    bias = property(lambda self: self.base.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        for adapter in self.lora.values():
+            y[..., adapter.start:adapter.stop] += adapter(x)
+        return y
+
+    def make_plan(self, rows: int, pack: bool = True) -> None:
+        return None                              # the base plans its own products
+
+    def argmax(self, x: Tensor) -> None:
+        return None                              # greedy decoding takes the whole output
+
+    def merge(self) -> None:
+        raise ConfigError("LoRA: cannot merge adapters into an int8-quantised base (rounding W + s·B A to int8 "
+                          "again changes the outputs, peft #2321); merge them on the fp32 base instead")
 
 
 def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8") -> nn.Module:

@@ -157,9 +157,8 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 def refusal(model: nn.Module, path: str, target: str) -> str | None:
     """Why an adapter for `target` cannot go on the layer at `path`, or None."""
     layer = model.get_submodule(path)
-    if not isinstance(layer, Linear):
-        return (f"{path} is a {type(layer).__name__}, not a floating-point Linear "
-                f"(adapters on an int8-quantised layer are not supported)")
+    if not isinstance(layer, Linear) and not hasattr(layer, "with_adapters"):   # Int8Linear has it (QLoRA)
+        return f"{path} is a {type(layer).__name__}, neither a Linear nor a layer that takes adapters"
     if isinstance(layer, LoRALinear) and layer.merged:
         return f"{path} has merged adapters; unmerge(model) before adding one"
     if isinstance(layer, LoRALinear) and target in layer.lora:
@@ -177,11 +176,11 @@ def add_adapter(model: nn.Module, path: str, target: str, rows: tuple[int, int],
     layer = model.get_submodule(path)
     if not isinstance(layer, LoRALinear):
         parent, _, child = path.rpartition(".")
-        layer = LoRALinear(layer)
+        layer = layer.with_adapters() if hasattr(layer, "with_adapters") else LoRALinear(layer)
         setattr(model.get_submodule(parent) if parent else model, child, layer)
-    w = layer.weight
-    layer.lora[target] = adapter = Adapter(layer.in_features, *rows, r, alpha, dropout, rslora,
-                                           device=w.device, dtype=w.dtype)
+    w = layer.weight                      # an int8 base's adapters are fp32
+    layer.lora[target] = adapter = Adapter(layer.in_features, *rows, r, alpha, dropout, rslora, device=w.device,
+                                           dtype=w.dtype if w.is_floating_point() else None)
     return adapter
 
 

@@ -49,14 +49,28 @@ def combine(*masks: Tensor | None) -> Tensor | None:
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
+def segment_mask(segments: Tensor) -> Tensor:
+    """(B, T) segment ids of packed rows (conversations one after another; 0 = padding) -> (B, 1, T, T)
+    bool, True where query and key are in the same segment: attention stays within each one.
+
+        segments  1 1 2 2 2 0      (with the causal mask: one triangle per segment)
+    """
+    return (segments[:, :, None] == segments[:, None, :])[:, None]
+
+
 def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, causal: bool,
                         device=None) -> Tensor | None:
     """Bool mask for self-attention over `offset` cached + `t` new positions, or None when the fused
-    kernel needs none (no padding, and causal-from-position-0 or a single new token)."""
+    kernel needs none (no padding, and causal-from-position-0 or a single new token).
+    `attention_mask`: HF's (B, offset + t) of 1/0, or a bool (B, 1, t, offset + t) mask of its own
+    (packed rows: `segment_mask`), ANDed with the causal one."""
     if attention_mask is None and (not causal or offset == 0 or t == 1):
         return None
     causal_part = causal_mask(t, offset + t, device=device) if causal else None
-    pad = padding_mask(attention_mask) if attention_mask is not None else None
+    if attention_mask is None:
+        pad = None
+    else:
+        pad = attention_mask if attention_mask.dim() == 4 else padding_mask(attention_mask)
     return combine(causal_part, pad)
 
 

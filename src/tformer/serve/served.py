@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoints.format import load, load_source_tokenizer, load_tokenizer, read_config, resolve
+from ..data.chat import template_reader
+from ..data.chat_template import ChatTemplate, find_chat_template
 from ..errors import ConfigError
 from ..evaluation.batching import length_batches, pad
 from ..evaluation.classify import encode_texts, predict_proba
 from ..generation.settings import eos_ids
 from ..model.pooling import POOLINGS
-from .chat import ChatTemplate, find_chat_template
 
 ENCODER_BATCH = 32          # texts per forward pass of an encoder
 mean_tokens = POOLINGS["mean"]  # the pooling sentence-transformers models were trained with
@@ -99,13 +100,7 @@ class Served:
         """A copy of the tokenizer that reads special tokens in text ("<|eot_id|>"): chat templates
         write them. (tformer's Tokenizer never does, so user text cannot forge them.)"""
         if self._special_reader is None:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            reader = HFTokenizer.from_str(self.tokenizer.to_str())
-            reader.encode_special_tokens = False
-            reader.no_padding()
-            reader.no_truncation()
-            self._special_reader = reader
+            self._special_reader = template_reader(self.tokenizer)
         return self._special_reader
 
     def check_budget(self, prompt_len: int, max_tokens: int) -> None:

@@ -48,6 +48,7 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
         def meta(self) -> dict                   # JSON-able; stored in config.json ("task" is added)
         best_metric = ("val_accuracy", "max")    # optional: what --keep-best maximises/minimises
                                                  # (default ("val_loss", "min"))
+        extra_files = {"chat_template.jinja": b"..."}  # optional: files saved in every checkpoint
 
 Determinism: batches depend only on (seed, step), the dropout RNG is re-seeded from (seed, step,
 rank) before each step, and the schedule depends only on the step when `--max-steps` is given, so a
@@ -74,6 +75,7 @@ from .options import (
     ONCE,
     below_one,
     fraction,
+    lora_target_list,
     nonneg_float,
     nonneg_int,
     option,
@@ -87,6 +89,7 @@ TASKS: dict[str, str] = {
     "classify": "tformer.tasks.classify:ClassifyTask",
     "translate": "tformer.tasks.translate:TranslateTask",
     "tag": "tformer.tasks.tag:TagTask",
+    "sft": "tformer.tasks.sft:SFTTask",
 }
 
 
@@ -173,6 +176,16 @@ class TrainConfig:
         "then faster steps (a Bible step: 1.2x in fp32) (default: on for translate on bible-en-es, "
         "off elsewhere)", action=argparse.BooleanOptionalAction, flag_default=None)
     progress: bool = option(True, "no progress bar", resume=ONCE, flag="--no-progress", action="store_false")
+    # LoRA (tformer.model.lora): train low-rank adapters on a frozen base; checkpoints hold the adapter only
+    lora_r: int | None = option(None, "train LoRA adapters of this rank on the frozen model (--init's, typically); "
+                                "each checkpoint then holds the adapter and names its base (default: off, full "
+                                "fine-tuning)", type=positive_int, metavar="R")
+    lora_alpha: float = option(16.0, "LoRA scaling alpha / r (default 16)", type=positive_float)
+    lora_dropout: float = option(0.05, "dropout on the adapters' input (default 0.05)", type=below_one)
+    lora_targets: str = option("q,v", "layers that get adapters, comma-separated: q, k, v, qkv, o, gate, up, down, "
+                               "lm_head, head (default q,v)", type=lora_target_list, metavar="T,...")
+    lora_rslora: bool = option(False, "rsLoRA scaling alpha / sqrt(r)", action="store_true")
+    lora_int8: bool = option(False, "quantise the frozen base to int8 first (QLoRA on a CPU)", action="store_true")
 
     def check(self) -> None:
         if self.max_steps is None and self.time_budget is None:
@@ -187,6 +200,13 @@ class TrainConfig:
             raise ConfigError("--ema does not work with --fsdp (the average would need sharding too)")
         if self.skip_nonfinite < 0:
             raise ConfigError(f"--skip-nonfinite {self.skip_nonfinite} must be >= 0")
+        if self.lora_r is not None and (isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int)
+                                        or self.lora_r <= 0):
+            raise ConfigError(f"--lora-r {self.lora_r!r} must be a positive integer (the adapters' rank)")
+        if self.lora_r is None and self.lora_int8:
+            raise ConfigError("--lora-int8 quantises the base under LoRA adapters: give --lora-r too")
+        if self.lora_r is not None and self.fsdp:
+            raise ConfigError("--lora-r does not work with --fsdp (adapters are small: DDP is enough)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

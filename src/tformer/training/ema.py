@@ -9,15 +9,21 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from ..errors import CheckpointError
+
 
 class EMA:
-    """{parameter name: running average} of `model`'s parameters, on the model's device."""
+    """{parameter name: running average} of `model`'s trained parameters, on the model's device. Frozen
+    ones (a LoRA run's base, frozen embeddings) are their own average: not copied."""
 
     def __init__(self, model: nn.Module, decay: float, saved: dict[str, Tensor] | None = None):
         self.model, self.decay = model, decay
         device = next(model.parameters()).device
-        self.average = {n: t.to(device) for n, t in saved.items()} if saved is not None else \
-            {n: p.detach().clone() for n, p in model.named_parameters()}
+        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if saved is not None and trained.keys() - saved.keys():
+            raise CheckpointError(f"the saved weight average lacks {sorted(trained.keys() - saved.keys())[:3]}")
+        self.average = {n: saved[n].to(device) for n in trained} if saved is not None else \
+            {n: p.detach().clone() for n, p in trained.items()}
 
     def update(self, step: int) -> None:
         """ema <- d * ema + (1 - d) * weights, with d growing to `decay` over the first steps
@@ -29,8 +35,10 @@ class EMA:
 
     def _swap(self) -> None:
         """Exchange the live weights and their moving average (twice = back as before)."""
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name in self.average:
+                p = params[name]
                 live = p.detach().clone()
                 p.copy_(self.average[name])
                 self.average[name] = live

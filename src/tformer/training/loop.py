@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checkpoints.format import WEIGHTS, load_state, read_safetensors
+from ..checkpoints.format import read_safetensors
 from ..checkpoints.layout import EMA as EMA_FILE
 from ..checkpoints.layout import OPTIMIZER, RNG, checkpoint_dir
 from ..data.files import micro_batches, varying_dims
@@ -26,6 +26,7 @@ from .config import Task, TrainConfig, run_defaults
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
 from .guard import NonFiniteError, NumericGuard, stopped
+from .lora import model_to_train
 from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tensors, progress_of
 from .rundir import FitResult, RunDir, TrainState, read_trainer_state
 
@@ -58,18 +59,16 @@ class Trainer:
         self.device = pick_device(cfg.device, self.dist.local_rank)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16(self.device))
         torch.manual_seed(cfg.seed)
-        self.plain = self.task.build_model()
-        opt_saved, ema_saved = None, None
+        opt_saved, ema_saved, ckpt = None, None, None
         if resume:
             ckpt, saved = read_trainer_state(resume)
-            load_state(self.plain, read_safetensors(ckpt / WEIGHTS), str(ckpt))
             opt_saved = (read_safetensors(ckpt / OPTIMIZER), saved["optimizer_groups"], str(ckpt / OPTIMIZER))
             self.state = TrainState(**{k: saved.get(k, v) for k, v in asdict(self.state).items()})
             # best/ on disk is what later evaluations must beat (it may come from after this checkpoint)
             self.state.best = self.run_dir.best_record() if cfg.keep_best else None
             if cfg.ema and (ckpt / EMA_FILE).is_file():
                 ema_saved = read_safetensors(ckpt / EMA_FILE)
-        self.plain.to(self.device)
+        self.plain = model_to_train(self.task, cfg, self.run_dir, ckpt).to(self.device)   # with --lora-r: adapters
         if cfg.ema:
             self.ema = EMA(self.plain, cfg.ema, ema_saved)
         self.model = wrap(self.plain, self.dist, self.device, cfg.fsdp)

@@ -76,6 +76,17 @@ def tokenizer_choice(text: str) -> str:
                                      "tokenizer.json file (or a directory with one)")
 
 
+def lora_target_list(text: str) -> str:
+    """A comma-separated list of tformer.model.lora.TARGETS, e.g. q,v."""
+    from ..model.lora import TARGETS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(TARGETS)} (comma-separated)")
+    return ",".join(dict.fromkeys(names))
+
+
 def option(default: Any = MISSING, help: str | None = None, *, resume: str = FIXED, flag: str | None = None,
            flag_default: Any = MISSING, **argparse_kwargs: Any) -> Any:
     """A dataclass field that is also a `tformer train` flag. `resume`: FIXED (taken from the saved

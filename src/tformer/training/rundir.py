@@ -18,6 +18,7 @@ from torch import nn
 
 from ..checkpoints.format import read_config, save, verify
 from ..checkpoints.layout import (
+    BASE,
     BEST,
     CONFIG,
     METRICS,
@@ -87,6 +88,7 @@ class RunDir:
     def __init__(self, path: str | os.PathLike, dist: Dist):
         self.path, self.dist, self.main = Path(path), dist, dist.main
         self.records: list[dict[str, Any]] = []  # metrics.jsonl as written so far (for the plot)
+        self.base: Path | None = None  # a LoRA run's base checkpoint: checkpoints then hold the adapter only
 
     def check(self, resume: bool) -> None:
         """Refuse to overwrite another run; fail early (before training) when the directory is
@@ -157,10 +159,10 @@ class RunDir:
 
         path = checkpoint_dir(self.path, step)
         if self.main:
-            extra = {name: st_save(t) for name, t in tensors.items()}
+            extra = {**getattr(task, "extra_files", {}), **{name: st_save(t) for name, t in tensors.items()}}
             extra[STATE] = json.dumps(state, indent=2).encode()
             save(model, path, tokenizer=task.tokenizer, meta={"task": task.name, **task.meta(), "step": step},
-                 extra_files=extra, source_tokenizer=getattr(task, "source_tokenizer", None))
+                 extra_files=extra, source_tokenizer=getattr(task, "source_tokenizer", None), adapter_base=self.base)
             self.prune(keep)
         self.dist.barrier()
         return path
@@ -196,5 +198,15 @@ class RunDir:
         if self.main:
             save(model, self.best_dir, tokenizer=task.tokenizer,
                  meta={"task": task.name, **task.meta(), "step": record["step"], "best": record},
+                 extra_files=getattr(task, "extra_files", None),
+                 source_tokenizer=getattr(task, "source_tokenizer", None), adapter_base=self.base)
+        self.dist.barrier()
+
+    def save_base(self, model: nn.Module, task) -> Path:
+        """Write RUN/base/: the frozen model a LoRA run's adapters are trained on (when --init is not it)."""
+        path = self.path / BASE
+        if self.main:
+            save(model, path, tokenizer=task.tokenizer, meta={"task": task.name, **task.meta(), "lora_base": True},
                  source_tokenizer=getattr(task, "source_tokenizer", None))
         self.dist.barrier()
+        return path

@@ -167,10 +167,12 @@ def hf_state_dict(model: nn.Module) -> tuple[object, dict[str, Tensor]]:
     return family, state
 
 
-def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
+def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None,
+          extra_files: dict[str, bytes] | None = None) -> Path:
     """Write `model` as a Hugging Face directory (config.json + model.safetensors, + tokenizer.json
     when `tokenizer` — anything with .save(path) — is given) that transformers loads with
-    `AutoModel*.from_pretrained(path)`. An existing directory at `path` is replaced atomically."""
+    `AutoModel*.from_pretrained(path)`. `extra_files` (name -> bytes: a chat template, a fuller
+    tokenizer_config.json) are written too. An existing directory at `path` is replaced atomically."""
     from safetensors.torch import save_file
 
     family, state = hf_state_dict(model)
@@ -187,6 +189,8 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None) -> Path:
         if tokenizer is not None:
             tokenizer.save(str(tmp / "tokenizer.json"))
             write_json_atomic(tmp / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"})
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
     return path
 
 

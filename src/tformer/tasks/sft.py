@@ -1,0 +1,232 @@
+"""Instruction tuning (`tformer train --task sft --init BASE --data chats.jsonl`): a decoder learns to
+answer, its loss on the assistant's tokens only (see tformer.data.chat for the data, the template and
+which tokens are trained).
+
+The template: --chat-template FILE, else the base checkpoint's (chat_template.jinja or
+tokenizer_config.json, as the server finds it), else tformer.data.chat_template.DEFAULT_TEMPLATE (the
+tokenizer's BOS and EOS around each turn). Whichever it is, every checkpoint of the run carries it as
+chat_template.jinja, with a tokenizer_config.json naming the BOS and EOS tokens, so `tformer serve`,
+`tformer.load` + the server's find_chat_template and the exports render prompts as training did. The
+tokenizer's BOS and EOS become special tokens the template's text is read back into (a char tokenizer's
+"<eos>" is otherwise five characters); user text still never produces them.
+
+Packing (--packing, default on): conversations are grouped into rows of --context tokens (best-fit
+decreasing); each keeps its own positions (0, 1, ... restarting) and attends only within itself
+(model.masks.segment_mask), so a packed row computes what each conversation computes alone. A
+conversation longer than --context is skipped, and the run says how many were (a cut one would lose
+the end-of-turn that teaches the model to stop).
+
+Validation: the mean cross-entropy over every trained token of the held-out conversations (the last
+--val-fraction of a seeded shuffle); the sample answers the first held-out prompt greedily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..data.chat import IGNORE, Renderer, collate, pack, read_examples
+from ..data.chat_template import (
+    DEFAULT_TEMPLATE,
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    ChatTemplate,
+    chat_template_source,
+    tokenizer_config,
+)
+from ..data.files import split_rows, step_generator
+from ..data.tokenizers import Tokenizer
+from ..errors import ConfigError, DataError, warn
+from ..model.masks import segment_mask
+from ..training.config import TrainOptions
+from ..training.options import option
+
+SAMPLE_TOKENS = 48  # the progress sample's reply length at most
+
+
+@dataclass
+class SFTOptions(TrainOptions):
+    title = "instruction tuning (--task sft)"
+    packing: bool = option(True, "pack short conversations into full --context rows, each attending only to "
+                           "itself (default: on)", action=argparse.BooleanOptionalAction, flag_default=None)
+    train_on_prompt: bool = option(False, "train on every token, prompts included (default: the assistant's "
+                                   "replies and completions only)", action=argparse.BooleanOptionalAction,
+                                   flag_default=None)
+    chat_template: str | None = option(None, "a Jinja chat template file (default: the --init model's, else "
+                                       "tformer's: BOS role\\n content EOS per turn)", metavar="FILE")
+
+
+class SFTTask:
+    name = "sft"
+    Options = SFTOptions
+    default_data = None
+
+    @staticmethod
+    def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
+        """A fine-tuning starting point (not a measured best): small batches, a lower peak rate than from
+        scratch, a short warm-up, no weight decay pulling the base's weights to zero."""
+        return {"batch_size": 8, "lr": 3e-4, "warmup": 10, "weight_decay": 0.0, "eval_every": 100}
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> list:
+        """The examples (tformer.data.chat.Example) `evaluate` scored: the file `data` whole, else the run's
+        held-out split rebuilt from meta()."""
+        if data is not None:
+            return read_examples(data)
+        return split_rows(read_examples(meta["data"]), meta["val_fraction"], meta["seed"])[1]
+
+    def __init__(self, opts: SFTOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
+        if not opts.data:
+            raise ConfigError("--task sft needs --data FILE.jsonl (conversations or prompt-completion pairs)")
+        base = init or opts.init     # on --resume the run's base still names the shape and the template
+        if base is None:
+            raise ConfigError("--task sft fine-tunes a decoder: give --init CHECKPOINT")
+        from ..checkpoints.format import load_tokenizer, read_config
+        from ..checkpoints.layout import resolve
+        from ..model.config import ModelConfig
+
+        self.opts, self.init, self.base = opts, init, resolve(base)
+        config = read_config(self.base)
+        if config["architecture"] != "Decoder":
+            raise ConfigError(f"--init {base} is a {config['architecture']}, not a Decoder")
+        self.cfg = ModelConfig.from_dict(config["config"])
+        self.context = opts.context or self.cfg.max_seq_len
+        if self.context > self.cfg.max_seq_len:
+            raise ConfigError(f"--context {self.context} is longer than the model's max_seq_len {self.cfg.max_seq_len}")
+        self.tokenizer = tokenizer or load_tokenizer(self.base)
+        self.template, self.extra_files = self._template()
+        renderer = Renderer(self.tokenizer, self.template, opts.train_on_prompt)
+        train, val = split_rows(read_examples(opts.data), opts.val_fraction, opts.seed)
+        if not val:
+            raise DataError(f"{opts.data}: too few examples to hold any out for validation (give more)")
+        self.val_examples = val
+        self.train_rows, self.stops = self._rows([renderer(e) for e in train], "training")
+        self.val_rows, _ = self._rows([renderer(e) for e in val], "validation")
+        self.prompt = self._sample_prompt(renderer, val[0])
+
+    def _template(self) -> tuple[ChatTemplate, dict[str, bytes]]:
+        """The run's template, and the files that carry it into each checkpoint."""
+        tok = self.tokenizer
+        if self.opts.chat_template is not None:
+            path = Path(self.opts.chat_template)
+            if not path.is_file():
+                raise ConfigError(f"--chat-template {path}: no such file")
+            source = path.read_text(encoding="utf-8")
+        else:
+            source = chat_template_source(self.base) or DEFAULT_TEMPLATE
+        config = {k: v for k, v in tokenizer_config(self.base).items() if k != "chat_template"}
+        for role in ("bos", "eos", "pad"):
+            token_id = getattr(tok, f"{role}_id")
+            if token_id is not None:
+                config.setdefault(f"{role}_token", tok.hf.id_to_token(token_id))
+        if source == DEFAULT_TEMPLATE and (tok.bos_id is None or tok.eos_id is None):
+            raise ConfigError(f"--init {self.base} has no chat template and its tokenizer no BOS/EOS token to "
+                              "write tformer's; give one with --chat-template FILE")
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        readable = [t.get("content") if isinstance(t, dict) else t for t in
+                    (config.get("bos_token"), config.get("eos_token"))]
+        make_special(tok, [t for t in readable if t])
+        try:
+            template = ChatTemplate(source, readable[0] or "", readable[1] or "")
+        except ValueError as e:
+            raise ConfigError(f"{self.opts.chat_template or self.base}: {e}") from None
+        files = {TEMPLATE_FILE: source.encode("utf-8"),
+                 TOKENIZER_CONFIG: json.dumps(config, indent=2, ensure_ascii=False).encode("utf-8")}
+        return template, files
+
+    def _rows(self, rendered: list, split: str) -> tuple[list, set[int]]:
+        """Rendered examples -> rows (packed, or one each); the ids that end trained turns."""
+        fit = [r for r in rendered if len(r.ids) <= self.context and any(r.trained[1:])]
+        if len(fit) < len(rendered):
+            warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} examples were skipped: longer than "
+                 f"--context {self.context} tokens, or nothing to train after the first token")
+        if not fit:
+            raise DataError(f"{self.opts.data}: no {split} example fits --context {self.context} tokens")
+        stops = {r.ids[i] for r in fit for i in range(len(r.ids))
+                 if r.trained[i] and (i + 1 == len(r.ids) or not r.trained[i + 1])}
+        groups = pack([len(r.ids) for r in fit], self.context) if self.opts.packing else [[i] for i in range(len(fit))]
+        return [[fit[i] for i in g] for g in groups], stops
+
+    def _sample_prompt(self, renderer: Renderer, example) -> list[int]:
+        if example.messages is None:
+            return self.tokenizer.encode(example.prompt)
+        first = next((i for i, m in enumerate(example.messages) if m["role"] == "assistant"), len(example.messages))
+        text = renderer.render(example.messages[:first], True, example)
+        return renderer.reader.encode(text, add_special_tokens=False).ids
+
+    # --- the protocol ------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        from ..checkpoints.format import load
+        from ..model.models import Decoder
+
+        model = Decoder(self.cfg)
+        model.load_state_dict(load(self.base).state_dict())
+        return model
+
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        rows = self.train_rows if split == "train" else self.val_rows
+        picks = torch.randint(len(rows), (self.opts.batch_size,), generator=step_generator(self.opts.seed, step))
+        return collate([rows[int(i)] for i in picks], self.pad_id)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0  # never a label (IGNORE)
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        logits = model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"])   # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE)
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return int((batch["segments"] > 0).sum())
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, len(self.val_rows), self.opts.batch_size):
+                batch = {k: v.to(device) for k, v in
+                         collate(self.val_rows[start:start + self.opts.batch_size], self.pad_id).items()}
+                logits = model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"])
+                labels = batch["labels"].flatten()
+                total += float(F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE,
+                                               reduction="sum"))
+                count += int((labels != IGNORE).sum())
+        return {"val_loss": total / count}
+
+    def sample(self, model: nn.Module) -> str:
+        """The model's greedy reply to the first held-out prompt, up to the end of its turn."""
+        from ..generation import generate
+
+        device = next(model.parameters()).device
+        room = min(SAMPLE_TOKENS, self.cfg.max_seq_len - len(self.prompt))
+        if room <= 0:
+            return ""
+        was_training = model.training
+        model.eval()
+        try:
+            out = generate(model, torch.tensor([self.prompt], device=device), max_new_tokens=room,
+                           do_sample=False, eos_token_id=sorted(self.stops))
+        finally:
+            model.train(was_training)
+        return self.tokenizer.decode(out[0, len(self.prompt):])
+
+    def meta(self) -> dict[str, Any]:
+        return {"data": str(self.opts.data), "context": self.context, "val_fraction": self.opts.val_fraction,
+                "seed": self.opts.seed, "packing": self.opts.packing, "train_on_prompt": self.opts.train_on_prompt}
+
+
+def make_special(tokenizer: Tokenizer, tokens: list[str]) -> None:
+    """Make `tokens` (already in the vocabulary) special: a template's text reads back into their ids."""
+    from tokenizers import AddedToken
+
+    known = {t.content for t in tokenizer.hf.get_added_tokens_decoder().values()}
+    missing = [t for t in tokens if t not in known and tokenizer.hf.token_to_id(t) is not None]
+    if missing:
+        tokenizer.hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
