@@ -96,8 +96,11 @@ def test_oldest_turns_are_dropped_the_system_prompt_kept_and_eof_exits(chat_mode
 
 def test_ctrl_c_exits_130(chat_model):
     path, _ = chat_model
+    # A child inherits an ignored SIGINT (pytest-xdist's workers ignore it), and Python then keeps it
+    # ignored: give the command the default disposition a terminal gives it.
     proc = subprocess.Popen([sys.executable, "-m", "tformer", "chat", "--model", str(path), "--greedy"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.stdin.write("hi\n")
     proc.stdin.flush()
     assert proc.stdout.read(1)                                 # replying: the command is in its loop
