@@ -388,3 +388,16 @@ def test_nothing_drops_an_unmerged_adapter_without_a_word(tmp_path):
         to_hf(model, tmp_path / "hf")
         got = tformer.from_hf(tmp_path / "hf").eval()(ids)
     assert torch.allclose(got, want, atol=TOL)
+
+
+def test_an_adapter_over_every_row_trains_on_a_frozen_base():
+    """`qkv` adds into every row of the first layer's projection, whose base output tracks no gradient
+    (frozen embeddings and weights): the adapter's sum must still reach autograd (it once failed in place)."""
+    cfg = tformer.ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_layers=2, max_seq_len=32)
+    model = apply_lora(tformer.Decoder(cfg).train(), r=2, alpha=4, targets=("qkv", "o"))
+    ids = torch.randint(0, 50, (2, 9))
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
+    trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(g is not None for g in trained.values())
+    assert any(g.abs().sum() > 0 for n, g in trained.items() if n.endswith(".b"))

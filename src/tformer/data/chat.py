@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +39,7 @@ from .files import read_text
 
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # a label that is not trained (F.cross_entropy's ignore_index)
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,24 +60,31 @@ class Rendered:
 
 def read_examples(path: str | os.PathLike) -> list[Example]:
     """The examples of a JSONL file, each checked (roles, an assistant turn): DataError "file:line: ..."."""
+    return read_jsonl(path, parse_example)
+
+
+def read_jsonl(path: str | os.PathLike, parse: Callable[[str, str], T]) -> list[T]:
+    """`parse(line, "file:line")` of each non-blank line of a JSONL file; DataError when it has none."""
     path = Path(path)
-    text = read_text(path)
-    examples = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            examples.append(parse_example(line, f"{path}:{n}"))
-    if not examples:
+    rows = [parse(line, f"{path}:{n}") for n, line in enumerate(read_text(path).splitlines(), 1) if line.strip()]
+    if not rows:
         raise DataError(f"{path} has no examples")
-    return examples
+    return rows
 
 
-def parse_example(line: str, where: str) -> Example:
+def json_object(line: str, where: str) -> dict:
+    """One JSONL line's object; DataError "where: ..." when it is not valid JSON or not an object."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_example(line: str, where: str) -> Example:
+    obj = json_object(line, where)
     if "messages" in obj:
         messages = check_messages(obj["messages"], where, "messages")
         if not any(m["role"] == "assistant" for m in messages):

@@ -212,7 +212,7 @@ class Int8LoRALinear(LoRALinear):
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         for adapter in self.lora.values():
-            y[..., adapter.start:adapter.stop] += adapter(x)
+            y = adapter.add_to(y, x)
         return y
 
     def make_plan(self, rows: int, pack: bool = True) -> None:

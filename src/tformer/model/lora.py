@@ -15,28 +15,26 @@ fused product and each adapter adds its low-rank product into its own rows of th
     target "v"                                         s B_v A_v x
     target "qkv"      s B A x over every row (GPT-2's c_attn: one adapter on the fused matrix)
 
-Targets (TARGETS): q, k, v, qkv, o (out_proj), gate, up, down, lm_head (decoder, encoder-decoder),
-head (the classifier's / tagger's label layer). Self- and cross-attention both answer to q, k, v, o.
+Targets (TARGETS): q, k, v, qkv, o (out_proj; self- and cross-attention), gate, up, down, lm_head, head.
 
     apply_lora(model, r=8, alpha=16, targets=("q", "v"))   # in place; only the adapters require grad
     merge(model); unmerge(model)                           # W += s B A (exactly undone up to rounding)
+    with adapters_off(model): ...                          # the base alone, adapters set aside (no copy)
     remove_lora(model)                                     # plain Linear layers again, W as it is now
 
 A targeted Linear becomes a LoRALinear holding the same weight and bias Parameters (tied weights stay
 tied, the base's state-dict names do not change); its adapters add `<layer>.lora.<target>.a` / `.b`.
 
-Decoding plans (linear.py): a merged layer is a plain Linear with its plan. An unmerged one keeps its
-plan aside (`base_plan`), multiplies the base by it and adds the adapters after, with `plan` left None,
-so neither the fused GPT step (inference/fused.py) nor the greedy argmax screen, which read `plan`,
-can skip an adapter. Merging changes W in place (a new version), so every plan made for the old W is
-stale and the next generate() plans again.
+Decoding plans: an unmerged layer keeps its plan aside (`base_plan`, `plan` None: the fused GPT step and the
+argmax screen, which read `plan`, cannot skip an adapter); merging changes W, so generate() plans again.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +70,14 @@ class Adapter(nn.Module):
         """(stop - start, in): what merging adds to those rows of W."""
         return (self.b @ self.a) * self.scaling
 
+    def add_to(self, y: Tensor, x: Tensor) -> Tensor:
+        """y (..., out) plus this adapter in its rows; out of place where y tracks no gradient (frozen base)."""
+        d = self(x)
+        if d.requires_grad and not y.requires_grad:
+            return y + F.pad(d, (self.start, y.size(-1) - self.stop))
+        y[..., self.start:self.stop] += d
+        return y
+
 
 class LoRALinear(Linear):
     """A Linear with adapters on row ranges of its output (see the module docstring)."""
@@ -81,17 +87,15 @@ class LoRALinear(Linear):
     def __init__(self, linear: nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
-        self.lora = nn.ModuleDict()
-        self.merged = False
+        self.lora, self.merged = nn.ModuleDict(), False
 
     def forward(self, x: Tensor) -> Tensor:
         if self.merged or not self.lora:
             return super().forward(x)
-        plan = self.base_plan
-        w = self.weight
+        plan, w = self.base_plan, self.weight
         y = plan(x, self.bias) if plan is not None and plan.usable(x, w) else F.linear(x, w, self.bias)
         for adapter in self.lora.values():
-            y[..., adapter.start:adapter.stop] += adapter(x)
+            y = adapter.add_to(y, x)
         return y
 
     def make_plan(self, rows: int, pack: bool = True) -> Plan | None:
@@ -107,41 +111,37 @@ class LoRALinear(Linear):
     def merge(self) -> None:
         if not self.merged:
             self._add(+1)
-            self.merged = True
 
     def unmerge(self) -> None:
         if self.merged:
             self._add(-1)
-            self.merged = False
 
     def _add(self, sign: int) -> None:
+        self.merged = sign > 0
         with torch.no_grad():                 # in place: W's version changes, so its plans go stale
             for adapter in self.lora.values():
                 self.weight[adapter.start:adapter.stop] += sign * adapter.delta().to(self.weight.dtype)
         self.plan = self.base_plan = None
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def slots(model: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """Where adapters can go: {layer path: {target: (first row, end row) of its output}}."""
     out: dict[str, dict[str, tuple[int, int]]] = {}
     for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
         if isinstance(m, MultiHeadAttention):
             q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
             if m.cross:
-                out[_join(name, "q_proj")] = {"q": (0, q)}
-                out[_join(name, "kv_proj")] = {"k": (0, kv), "v": (kv, 2 * kv)}
+                out[f"{prefix}q_proj"] = {"q": (0, q)}
+                out[f"{prefix}kv_proj"] = {"k": (0, kv), "v": (kv, 2 * kv)}
             else:
-                out[_join(name, "qkv_proj")] = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
-                                                "qkv": (0, q + 2 * kv)}
-            out[_join(name, "out_proj")] = {"o": (0, m.out_proj.out_features)}
+                out[f"{prefix}qkv_proj"] = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+                                          "qkv": (0, q + 2 * kv)}
+            out[f"{prefix}out_proj"] = {"o": (0, m.out_proj.out_features)}
         elif isinstance(m, FeedForward):
             n = m.up.out_features
-            out[_join(name, "up")] = {"gate": (0, n // 2), "up": (n // 2, n)} if m.gated else {"up": (0, n)}
-            out[_join(name, "down")] = {"down": (0, m.down.out_features)}
+            out[f"{prefix}up"] = {"gate": (0, n // 2), "up": (n // 2, n)} if m.gated else {"up": (0, n)}
+            out[f"{prefix}down"] = {"down": (0, m.down.out_features)}
     head = {"decoder": "lm_head", "encoder-decoder": "lm_head", "classifier": "head", "tagger": "head"}.get(
         getattr(model, "kind", None))
     if head is not None:
@@ -170,8 +170,7 @@ def add_adapter(model: nn.Module, path: str, target: str, rows: tuple[int, int],
                 dropout: float = 0.0, rslora: bool = False) -> Adapter:
     """A new adapter (peft's initialisation) for `target`, rows [start, stop) of the output of the layer
     at `path` (as slots() gives them), turning that layer into a LoRALinear where it is not one yet."""
-    why = refusal(model, path, target)
-    if why is not None:
+    if (why := refusal(model, path, target)) is not None:
         raise ConfigError(f"LoRA: {why}")
     layer = model.get_submodule(path)
     if not isinstance(layer, LoRALinear):
@@ -186,8 +185,7 @@ def add_adapter(model: nn.Module, path: str, target: str, rows: tuple[int, int],
 
 def train_only_adapters(model: nn.Module) -> None:
     """requires_grad for the adapters' weights only."""
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for layer in lora_layers(model).values():
         layer.lora.requires_grad_(True)
 
@@ -212,32 +210,25 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float = 0.0,
     if unknown or not targets:
         raise ConfigError(f"LoRA targets {unknown or list(targets)}: choose from {', '.join(TARGETS)}")
     table = slots(model)
-    missing = [t for t in targets if not any(t in names for names in table.values())]
-    if missing:
+    if missing := [t for t in targets if not any(t in names for names in table.values())]:
         kind = getattr(model, "kind", "model")
         raise ConfigError(f"LoRA target(s) {', '.join(missing)} name no layer of this {kind}")
     places = [(path, t) for path, names in table.items() for t in targets if t in names]
-    why = next((w for w in (refusal(model, path, t) for path, t in places) if w is not None), None)
-    if why is not None:                                      # refused before anything changes
-        raise ConfigError(f"LoRA: {why}")
+    if (why := next((w for w in (refusal(model, path, t) for path, t in places) if w), None)) is not None:
+        raise ConfigError(f"LoRA: {why}")                    # refused before anything changes
     for path, t in places:
         add_adapter(model, path, t, table[path][t], r, alpha, dropout, rslora)
     train_only_adapters(model)
     return model
 
 
-def _tied(model: nn.Module, layers: dict[str, LoRALinear]) -> None:
-    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    tied = [path for path, layer in layers.items() if counts[id(layer.weight)] > 1]
-    if tied:
-        raise ConfigError(f"LoRA: the weight of {', '.join(tied)} is shared with another layer (tied embeddings): "
-                          f"merging would change both; keep its adapter unmerged")
-
-
 def merge(model: nn.Module) -> nn.Module:
     """W += s·B A in every adapted layer (the adapters are then idle). Returns the model."""
     layers = lora_layers(model)
-    _tied(model, layers)
+    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    if tied := [path for path, layer in layers.items() if counts[id(layer.weight)] > 1]:
+        raise ConfigError(f"LoRA: the weight of {', '.join(tied)} is shared with another layer (tied embeddings): "
+                          f"merging would change both; keep its adapter unmerged")
     for layer in layers.values():
         layer.merge()
     return model
@@ -264,8 +255,7 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, Tensor]) -> nn.Modul
     if missing or unexpected:
         raise ConfigError(f"LoRA state does not match the model's adapters: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
-    bad = [k for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]
-    if bad:
+    if bad := [k for k, v in expected.items() if tuple(state[k].shape) != tuple(v.shape)]:
         raise ConfigError(f"LoRA state: {bad[0]} has shape {tuple(state[bad[0]].shape)}, "
                           f"the adapter {tuple(expected[bad[0]].shape)}")
     if any(layer.merged for layer in lora_layers(model).values()):
@@ -290,7 +280,21 @@ def remove_lora(model: nn.Module) -> nn.Module:
 def refuse_adapters(model: nn.Module, doing: str, merged_ok: bool = False) -> None:
     """ConfigError where `doing` (an export, a save, int8 quantisation) would drop `model`'s adapters
     without a word; merged_ok: adapters merged into W travel with it there."""
-    kept = [p for p, layer in lora_layers(model).items() if layer.lora and not (merged_ok and layer.merged)]
-    if kept:
+    if kept := [p for p, layer in lora_layers(model).items() if layer.lora and not (merged_ok and layer.merged)]:
         raise ConfigError(f"cannot {doing} a model with LoRA adapters (on {kept[0]}): merge them into the "
                           "weights and remove them first (tformer.model.lora.merge, remove_lora)")
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` computing as its base alone inside the block: each layer's adapters set aside, then put back."""
+    saved = {layer: layer.lora for layer in lora_layers(model).values()}
+    if any(layer.merged for layer in saved):
+        raise ConfigError("LoRA: merged adapters cannot be turned off; unmerge(model) first")
+    for layer in saved:
+        layer.lora = nn.ModuleDict()
+    try:
+        yield model
+    finally:
+        for layer, lora in saved.items():
+            layer.lora = lora

@@ -85,9 +85,22 @@ class SFTTask:
     def __init__(self, opts: SFTOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         if not opts.data:
             raise ConfigError("--task sft needs --data FILE.jsonl (conversations or prompt-completion pairs)")
+        self.load_base(opts, tokenizer, init)
+        renderer = Renderer(self.tokenizer, self.template, opts.train_on_prompt)
+        train, val = split_rows(read_examples(opts.data), opts.val_fraction, opts.seed)
+        if not val:
+            raise DataError(f"{opts.data}: too few examples to hold any out for validation (give more)")
+        self.val_examples = val
+        self.train_rows, self.stops = self._rows([renderer(e) for e in train], "training")
+        self.val_rows, _ = self._rows([renderer(e) for e in val], "validation")
+        self.prompt = self._sample_prompt(renderer, val[0])
+
+    def load_base(self, opts, tokenizer: Tokenizer | None, init: str | None) -> None:
+        """The decoder a run fine-tunes (--init; on --resume the run's base): self.base, cfg, context, tokenizer,
+        and the chat template (self.template) with the files that carry it (self.extra_files)."""
         base = init or opts.init     # on --resume the run's base still names the shape and the template
         if base is None:
-            raise ConfigError("--task sft fine-tunes a decoder: give --init CHECKPOINT")
+            raise ConfigError(f"--task {self.name} fine-tunes a decoder: give --init CHECKPOINT")
         from ..checkpoints.format import load_tokenizer, read_config
         from ..checkpoints.layout import resolve
         from ..model.config import ModelConfig
@@ -102,14 +115,6 @@ class SFTTask:
             raise ConfigError(f"--context {self.context} is longer than the model's max_seq_len {self.cfg.max_seq_len}")
         self.tokenizer = tokenizer or load_tokenizer(self.base)
         self.template, self.extra_files = self._template()
-        renderer = Renderer(self.tokenizer, self.template, opts.train_on_prompt)
-        train, val = split_rows(read_examples(opts.data), opts.val_fraction, opts.seed)
-        if not val:
-            raise DataError(f"{opts.data}: too few examples to hold any out for validation (give more)")
-        self.val_examples = val
-        self.train_rows, self.stops = self._rows([renderer(e) for e in train], "training")
-        self.val_rows, _ = self._rows([renderer(e) for e in val], "validation")
-        self.prompt = self._sample_prompt(renderer, val[0])
 
     def _template(self) -> tuple[ChatTemplate, dict[str, bytes]]:
         """The run's template, and the files that carry it into each checkpoint."""

@@ -90,6 +90,7 @@ TASKS: dict[str, str] = {
     "translate": "tformer.tasks.translate:TranslateTask",
     "tag": "tformer.tasks.tag:TagTask",
     "sft": "tformer.tasks.sft:SFTTask",
+    "dpo": "tformer.tasks.dpo:DPOTask",
 }
 
 

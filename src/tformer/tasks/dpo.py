@@ -1,0 +1,204 @@
+"""Preference tuning with DPO (`tformer train --task dpo --init BASE --data pairs.jsonl`): a decoder learns to
+prefer the chosen response of each pair over the rejected one (tformer.training.dpo: trl's sigmoid loss).
+
+One pair per line; the prompt is plain text, or OpenAI's messages rendered with the chat template and its
+generation prompt (the template as --task sft finds it: --chat-template, the base's, tformer's default):
+
+    {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}
+    {"prompt": [{"role": "user", "content": "Hi"}], "chosen": "Hello!", "rejected": "Go away."}
+
+A response's tokens are what tformer.data.chat.Renderer trains for a completion: a plain one and EOS, or
+the assistant turn the template writes (its end-of-turn included). A pair whose longer side exceeds
+--context tokens is skipped, and the run says how many were.
+
+The reference model is the frozen --init model. With --lora-r it is the trained model itself with its
+adapters turned off (tformer.model.lora.adapters_off): no second copy of the weights. Without LoRA the
+task keeps one frozen copy of the --init weights (made on the first loss, on the model's device). Its
+log-probabilities are computed per batch under no_grad, in eval mode (no dropout), nothing precomputed.
+
+Training logs the DPO loss (the loop logs one number per step); validation adds, over the held-out
+pairs (the last --val-fraction of a seeded shuffle), the preference accuracy (the share of pairs whose
+chosen response's implicit reward beta * (log pi - log pi_ref) is the higher) and trl's mean rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..data.chat import Example, Rendered, Renderer, check_messages, json_object, read_jsonl
+from ..data.files import split_rows, step_generator
+from ..data.tokenizers import Tokenizer
+from ..errors import ConfigError, DataError, warn
+from ..model.lora import adapters_off, lora_layers
+from ..training.config import TrainOptions
+from ..training.dpo import dpo_loss, sequence_logprobs
+from ..training.options import option, positive_float
+from .sft import SFTTask
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclass
+class DPOOptions(TrainOptions):
+    title = "preference tuning (--task dpo)"
+    dpo_beta: float = option(0.1, "DPO temperature beta: how far the policy may move from the reference "
+                             "(default 0.1)", type=positive_float)
+    chat_template: str | None = option(None, "a Jinja chat template file (default: the --init model's, else "
+                                       "tformer's: BOS role\\n content EOS per turn)", metavar="FILE")
+
+
+@dataclass
+class Pair:
+    where: str          # "file:line"
+    chosen: Example
+    rejected: Example
+
+
+def parse_pair(line: str, where: str) -> Pair:
+    """One JSONL line -> a Pair; DataError "file:line: ..." for what is malformed or missing."""
+    obj = json_object(line, where)
+    missing = [k for k in ("prompt", *SIDES) if k not in obj]
+    if missing:
+        raise DataError(f"{where}: missing {', '.join(missing)} (expected {{\"prompt\": ..., \"chosen\": \"...\", "
+                        f"\"rejected\": \"...\"}})")
+    for side in SIDES:
+        if not isinstance(obj[side], str):
+            raise DataError(f"{where}: {side} must be a string, got {type(obj[side]).__name__}")
+    prompt = obj["prompt"]
+    if isinstance(prompt, list):
+        prompt = check_messages(prompt, where, "prompt")
+        replies = [[{"role": "assistant", "content": obj[side]}] for side in SIDES]
+        sides = [Example(where, messages=prompt + r, prompt=prompt, completion=r) for r in replies]
+    elif isinstance(prompt, str):
+        sides = [Example(where, prompt=prompt, completion=obj[side]) for side in SIDES]
+    else:
+        raise DataError(f"{where}: prompt must be a string or a list of messages, got {type(prompt).__name__}")
+    return Pair(where, *sides)
+
+
+def read_pairs(path) -> list[Pair]:
+    return read_jsonl(path, parse_pair)
+
+
+def collate_pairs(pairs: list[tuple[Rendered, Rendered]], pad_id: int) -> dict[str, Tensor]:
+    """(B, T) tensors per side, T the longest of both sides: {side}_ids (right-padded with pad_id),
+    {side}_mask (1 on real tokens), {side}_response (1 on the response's tokens)."""
+    width = max(len(r.ids) for pair in pairs for r in pair)
+    out = {}
+    for i, side in enumerate(SIDES):
+        ids = torch.full((len(pairs), width), pad_id)
+        mask, response = torch.zeros_like(ids), torch.zeros_like(ids)
+        for b, pair in enumerate(pairs):
+            r = pair[i]
+            ids[b, :len(r.ids)] = torch.tensor(r.ids)
+            mask[b, :len(r.ids)] = 1
+            response[b, :len(r.ids)] = torch.tensor(r.trained, dtype=torch.long)
+        out |= {f"{side}_ids": ids, f"{side}_mask": mask, f"{side}_response": response}
+    return out
+
+
+class DPOTask(SFTTask):
+    """--task dpo: the base, tokenizer, template, model and sample as --task sft's; pairs, loss and
+    validation of its own."""
+    name = "dpo"
+    Options = DPOOptions
+
+    @staticmethod
+    def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
+        """A starting point (not a measured best): small batches, a low rate (DPO moves a tuned model a little)."""
+        return {"batch_size": 8, "lr": 5e-5, "warmup": 10, "weight_decay": 0.0, "eval_every": 100}
+
+    @classmethod
+    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> list[Pair]:
+        """The pairs `evaluate` scored: the file `data` whole, else the run's held-out split rebuilt from meta()."""
+        if data is not None:
+            return read_pairs(data)
+        return split_rows(read_pairs(meta["data"]), meta["val_fraction"], meta["seed"])[1]
+
+    def __init__(self, opts: DPOOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
+        if not opts.data:
+            raise ConfigError("--task dpo needs --data FILE.jsonl (prompt, chosen, rejected per line)")
+        self.load_base(opts, tokenizer, init)
+        renderer = Renderer(self.tokenizer, self.template)
+        train, val = split_rows(read_pairs(opts.data), opts.val_fraction, opts.seed)
+        if not val:
+            raise DataError(f"{opts.data}: too few pairs to hold any out for validation (give more)")
+        self.train_pairs = self.render(renderer, train, "training")
+        self.val_pairs = self.render(renderer, val, "validation")
+        self.stops = {r.ids[-1] for pair in self.train_pairs for r in pair}     # each response's last token
+        chosen = self.val_pairs[0][0]
+        self.prompt = chosen.ids[:max(1, chosen.trained.index(True))]            # what sample() answers
+        self.ref: nn.Module | None = None                                        # without LoRA: the frozen copy
+
+    def render(self, renderer: Renderer, pairs: list[Pair], split: str) -> list[tuple[Rendered, Rendered]]:
+        rendered = [(renderer(p.chosen), renderer(p.rejected)) for p in pairs]
+        fit = [p for p in rendered if all(len(r.ids) <= self.context and any(r.trained[1:]) for r in p)]
+        if len(fit) < len(rendered):
+            warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} pairs were skipped: a response longer "
+                 f"than --context {self.context} tokens, or one with no token to score")
+        if not fit:
+            raise DataError(f"{self.opts.data}: no {split} pair fits --context {self.context} tokens")
+        return fit
+
+    @contextmanager
+    def reference(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The reference model, in eval mode: `model` with its adapters off (LoRA), else the frozen copy."""
+        if not lora_layers(model):
+            if self.ref is None:
+                self.ref = self.build_model().requires_grad_(False).eval().to(next(model.parameters()).device)
+            yield self.ref
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            with adapters_off(model):
+                yield model
+        finally:
+            model.train(was_training)
+
+    def compute(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        """(DPO loss, trl's reward metrics) of a batch of pairs on the model's device."""
+        ids, mask, response = (torch.cat([batch[f"{s}_{k}"] for s in SIDES]) for k in ("ids", "mask", "response"))
+        with torch.no_grad(), self.reference(model) as ref:    # first: the policy's is the forward backward follows
+            reference = sequence_logprobs(ref, ids, mask, response)
+        policy = sequence_logprobs(model, ids, mask, response)
+        n = len(batch["chosen_ids"])
+        return dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.opts.dpo_beta)
+
+    # --- the protocol (build_model, sample, pad_id: SFTTask's) ------------------------------------
+    def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
+        pairs = self.train_pairs if split == "train" else self.val_pairs
+        picks = torch.randint(len(pairs), (self.opts.batch_size,), generator=step_generator(self.opts.seed, step))
+        return collate_pairs([pairs[int(i)] for i in picks], self.pad_id)
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return self.compute(model, batch)[0]
+
+    def tokens(self, batch: dict[str, Tensor]) -> int:
+        return int(batch["chosen_mask"].sum() + batch["rejected_mask"].sum())
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """val_loss (the DPO loss), val_accuracy (chosen reward > rejected reward) and the mean rewards,
+        each averaged over every held-out pair."""
+        device = next(model.parameters()).device
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for start in range(0, len(self.val_pairs), self.opts.batch_size):
+                chunk = self.val_pairs[start:start + self.opts.batch_size]
+                batch = {k: v.to(device) for k, v in collate_pairs(chunk, self.pad_id).items()}
+                loss, metrics = self.compute(model, batch)
+                for k, v in {"loss": float(loss), **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v * len(chunk)
+        mean = {k: v / len(self.val_pairs) for k, v in sums.items()}
+        return {"val_loss": mean["loss"], "val_accuracy": mean["rewards/accuracies"],
+                **{f"val_{k}": mean[k] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+
+    def meta(self) -> dict[str, Any]:
+        return {"data": str(self.opts.data), "context": self.context, "val_fraction": self.opts.val_fraction,
+                "seed": self.opts.seed, "dpo_beta": self.opts.dpo_beta}
