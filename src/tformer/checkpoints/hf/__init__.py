@@ -123,7 +123,7 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
     keymap.merge_copies(hf_state, family.copies(cfg), source, "tformer keeps one tensor for both (tied weights)")
     if hasattr(family, "prepare_import"):
         family.prepare_import(hf_state, cfg, source)
-    rules = _rules(family, model)
+    rules = rules_of(family, model)
     expected = {k: tuple(v.shape) for k, v in keymap.to_hf(rules, unique_state_dict(model), cfg).items()}
     keymap.check_hf_state(hf_state, expected, family.IGNORED, source)
     load_state(model, keymap.to_ours(rules, hf_state), source)
@@ -131,8 +131,14 @@ def convert_hf(path: str | os.PathLike) -> tuple[nn.Module, dict[str, str]]:
     return model.eval(), dropped
 
 
-def _rules(family, model: nn.Module) -> list[keymap.Rule]:
+def rules_of(family, model: nn.Module) -> list[keymap.Rule]:
+    """The family's key-map rules for this model (a family may choose them per model: rules_for)."""
     return family.rules_for(model) if hasattr(family, "rules_for") else family.rules(model.cfg)
+
+
+def export_layout(family, model: nn.Module) -> tuple[dict, str, tuple[str, ...]]:
+    """(extra config entries, key prefix, keys written without the prefix) of the model's HF export."""
+    return family.export_for(model) if hasattr(family, "export_for") else ({}, family.EXPORT_PREFIX, family.HEAD_KEYS)
 
 
 def hf_family(model: nn.Module):
@@ -161,7 +167,7 @@ def hf_state_dict(model: nn.Module) -> tuple[object, dict[str, Tensor]]:
     state = {k: v.detach().cpu() for k, v in unique_state_dict(model).items()}
     if hasattr(family, "export_state"):          # Marian: an interleaved position table, re-based
         state = family.export_state(state, cfg)
-    state = keymap.to_hf(_rules(family, model), state, cfg)
+    state = keymap.to_hf(rules_of(family, model), state, cfg)
     if hasattr(family, "export_extra"):
         family.export_extra(state, cfg)
     return family, state
@@ -177,8 +183,7 @@ def to_hf(model: nn.Module, path: str | os.PathLike, tokenizer=None,
 
     family, state = hf_state_dict(model)
     cfg = model.cfg
-    extra, p, heads = (family.export_for(model) if hasattr(family, "export_for")
-                       else ({}, family.EXPORT_PREFIX, family.HEAD_KEYS))
+    extra, p, heads = export_layout(family, model)
     state = {(k if k in heads else p + k): v.contiguous() for k, v in state.items()}
     hf_config = {**family.config_to_hf(cfg), **extra,
                  "dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")}

@@ -42,7 +42,7 @@ from ...errors import CheckpointError, ConfigError
 from ...model.lora import add_adapter, check_settings, lora_layers, refusal, slots, train_only_adapters
 from ..files import atomic_dir, write_json_atomic
 from ..format import read_safetensors
-from . import hf_family, keymap
+from . import export_layout, hf_family, keymap, rules_of
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
@@ -70,9 +70,8 @@ def hf_modules(model: nn.Module) -> tuple[object, dict[str, Span]]:
     """(HF family, {HF module path as peft names it: Span}) for every linear of `model`."""
     family = hf_family(model)
     cfg = model.cfg
-    rules = family.rules_for(model) if hasattr(family, "rules_for") else family.rules(cfg)
-    _, prefix, heads = family.export_for(model) if hasattr(family, "export_for") else (
-        {}, family.EXPORT_PREFIX, family.HEAD_KEYS)
+    rules = rules_of(family, model)
+    _, prefix, heads = export_layout(family, model)
     layers = slots(model)
     spans = {}
     for rule in rules:
