@@ -2,8 +2,12 @@ r"""Logits processors: small pure functions over a batch of next-token logits (B
 
 Generation turns the logits at the last position into a distribution and picks a token:
 
-    logits -> repetition penalty -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
-                                                                          \-> argmax (greedy)
+    logits -> logit bias -> repetition penalty -> frequency / presence penalties
+           -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
+                                                    \-> argmax (greedy)
+
+The bias and the penalties act on greedy choices too (as OpenAI's API has them); the warpers from
+the temperature on act only when sampling.
 
 Each filter sets the logits of removed tokens to -inf, so softmax gives them probability 0.
 Semantics (ties, "at least one token survives") equal Hugging Face's warpers of the same names;
@@ -23,6 +27,31 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     `penalty`, a negative one multiplied, so both move down when penalty > 1. seen: (B, V) bool."""
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
+
+
+def apply_frequency_presence(logits: Tensor, counts: Tensor, frequency_penalty: float | Tensor,
+                             presence_penalty: float | Tensor) -> Tensor:
+    """OpenAI's penalties: logits[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0),
+    counts (B, V) of each token among the tokens generated so far. Penalties are numbers, or (B, 1)
+    tensors for a batch whose rows have their own (positive: less repetition; OpenAI allows -2..2)."""
+    return logits - frequency_penalty * counts - presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: Tensor, bias: Tensor) -> Tensor:
+    """OpenAI's logit_bias: add bias (B, V) or (1, V) (from logit_bias_tensor): -100 all but bans a
+    token, +100 all but forces it."""
+    return logits + bias
+
+
+def logit_bias_tensor(bias: dict[int, float], vocab_size: int, device=None) -> Tensor:
+    """{token id: bias} -> (1, V) float32, 0 for the tokens not named."""
+    out = torch.zeros(1, vocab_size, device=device)
+    if bias:
+        ids = torch.tensor(list(bias), device=device)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"logit_bias names token ids outside 0..{vocab_size - 1}")
+        out[0, ids] = torch.tensor(list(bias.values()), device=device)
+    return out
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
@@ -77,11 +106,19 @@ def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
 def process_logits(logits: Tensor, seen: Tensor | None = None, *, do_sample: bool = False,
                    temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
                    min_p: float | None = None, repetition_penalty: float = 1.0,
-                   min_tokens_to_keep: int = 1) -> Tensor:
-    """The whole chain, in HF's order. The warpers (temperature, top-k, top-p, min-p) only act when
-    sampling; greedy and beam search only see the repetition penalty."""
+                   min_tokens_to_keep: int = 1, logit_bias: Tensor | None = None, counts: Tensor | None = None,
+                   frequency_penalty: float | Tensor = 0.0, presence_penalty: float | Tensor = 0.0) -> Tensor:
+    """The whole chain, in HF's order (OpenAI's bias and penalties first). The warpers (temperature,
+    top-k, top-p, min-p) only act when sampling; greedy and beam search only see the bias and the
+    penalties. logit_bias: (B or 1, V), from logit_bias_tensor; counts: (B, V) of the tokens generated
+    so far, given when the frequency or presence penalty (numbers, or (B, 1) per row) is on. With every
+    default, the logits pass unchanged."""
+    if logit_bias is not None:
+        logits = apply_logit_bias(logits, logit_bias)
     if repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if counts is not None:
+        logits = apply_frequency_presence(logits, counts, frequency_penalty, presence_penalty)
     if not do_sample:
         return logits
     if temperature != 1.0:

@@ -13,10 +13,10 @@ class Guard:
     """ASGI middleware in front of every route: the API key, the body size limit, not serving
     while starting or draining, and the requests-by-status metric."""
 
-    ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify", "/v1/models",
+    ROUTES = ("/", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify", "/v1/models",
               "/health", "/metrics")
 
-    def __init__(self, app, state):  # state: app.State (not imported: app imports this module)
+    def __init__(self, app, state):  # state: state.State
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):

@@ -14,6 +14,8 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.tokens_in = Counter("tformer_prompt_tokens", "prompt (and input) tokens read", registry=r)
         self.tokens_out = Counter("tformer_generated_tokens", "tokens generated", registry=r)
+        self.cancelled = Counter("tformer_cancelled_requests", "requests whose client went away before the end "
+                                 "(their rows left the batch)", registry=r)
         self.queue = Gauge("tformer_queue_length", "sequences waiting for a slot in the running batch", registry=r)
         self.batch = Gauge("tformer_running_batch_size", "sequences in the running batch", registry=r)
         self.ttft = Histogram("tformer_time_to_first_token_seconds", "from arrival to the first generated token",

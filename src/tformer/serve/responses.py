@@ -15,9 +15,10 @@ def usage(prompt: int, completion: int) -> dict:
 class CompletionFormat:
     """Bodies of /v1/completions: object "text_completion", choices with text (and logprobs)."""
 
-    def __init__(self, model: str, n: int, echo: list[str], prompt_tokens: int):
+    def __init__(self, model: str, n: int, echo: list[str], prompt_tokens: int, echo_logprobs: bool = False):
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.model, self.n, self.echo, self.prompt_tokens = model, n, echo, prompt_tokens
+        self.echo_logprobs = echo_logprobs      # the echoed prompt comes with its tokens' logprobs, after prefill
         self.offsets: dict[int, int] = {}
 
     def _body(self, choices: list[dict]) -> dict:
@@ -25,23 +26,29 @@ class CompletionFormat:
                 "choices": choices}
 
     def _logprobs(self, index: int, tokens) -> dict | None:
+        """OpenAI's legacy logprobs of `tokens` (with echo + logprobs, the prompt's first: the first
+        of them has logprob and top_logprobs null); text_offset counts on from the choice's last chunk."""
         if not tokens:
             return None
-        offsets, at = [], self.offsets.get(index, len(self.echo[index // self.n]))
+        start = 0 if self.echo_logprobs else len(self.echo[index // self.n])
+        offsets, at = [], self.offsets.get(index, start)
         for t in tokens:
             offsets.append(at)
             at += len(t.text)
         self.offsets[index] = at
         return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens], "text_offset": offsets}
+                "top_logprobs": [None if t.top is None else dict(t.top) for t in tokens], "text_offset": offsets}
 
     def first_chunks(self) -> list[dict]:
+        if self.echo_logprobs:                  # the echo waits for its logprobs: chunk() sends both
+            return []
         return [self._body([{"index": i, "text": e, "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.echo) * self.n) if (e := self.echo[i // self.n])]
 
     def chunk(self, event: Event) -> dict:
-        return self._body([{"index": event.index, "text": event.text,
-                            "logprobs": self._logprobs(event.index, event.tokens),
+        echo = self.echo[event.index // self.n] if event.prompt is not None else ""
+        return self._body([{"index": event.index, "text": echo + event.text,
+                            "logprobs": self._logprobs(event.index, (event.prompt or []) + event.tokens),
                             "finish_reason": event.finish_reason}])
 
     def usage_chunk(self, completion_tokens: int) -> dict:

@@ -21,127 +21,19 @@ Sequence's `sink`, which the loop calls with every new Event (the server hands i
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-from torch import Tensor
 
-from ..generation import TextStream, process_logits
-from ..generation.sampling import choose, make_generator
-from ..generation.settings import OPENAI_DEFAULTS as OPENAI
 from ..model.linear import plan_decoding
 from .pool import SlotPool
+from .sequence import Event, Sampling, Sequence, Token
+
+__all__ = ["Scheduler", "QueueFull", "Sequence", "Sampling", "Event", "Token"]
 
 
 class QueueFull(Exception):
     """More sequences waiting than --max-queue allows."""
-
-
-@dataclass
-class Sampling:
-    """One choice's decoding settings (OpenAI's names; tformer's top_k, min_p, repetition_penalty);
-    defaults: OpenAI's (generation.settings.OPENAI_DEFAULTS), as the request schema's."""
-    max_tokens: int
-    temperature: float = OPENAI.temperature    # 0: greedy
-    top_p: float = OPENAI.top_p
-    top_k: int | None = OPENAI.top_k
-    min_p: float | None = OPENAI.min_p
-    repetition_penalty: float = OPENAI.repetition_penalty
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None        # how many alternatives to report per token (None: no logprobs)
-
-
-@dataclass
-class Token:
-    """One generated token, for logprobs: its text, log-probability, and the top alternatives."""
-    id: int
-    text: str
-    logprob: float
-    top: list[tuple[str, float]]
-
-
-@dataclass
-class Event:
-    """What the loop sends a request: new text of choice `index`, and at the end a finish_reason
-    ("stop", "length") or an error message."""
-    index: int
-    text: str = ""
-    tokens: list[Token] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-class Sequence:
-    """One choice being generated: its prompt, settings, random generator, text and progress."""
-
-    def __init__(self, index: int, prompt: list[int], sampling: Sampling, tokenizer, eos: set[int],
-                 sink: Callable[[Event], None], source: list[int] | None = None, device=None):
-        self.index, self.prompt, self.source, self.s = index, prompt, source, sampling
-        self.tokenizer, self.eos, self.sink = tokenizer, eos, sink
-        self.text = TextStream(tokenizer, sampling.stop)
-        self.generator = make_generator(sampling.seed, device) if sampling.temperature > 0 else None
-        self.seen: Tensor | None = None     # (1, V) tokens present, for the repetition penalty
-        self.generated: list[int] = []
-        self.cancelled = self.done = False
-        self.cache = self.memory = None     # while prefilling: its own batch-1 cache (and encoder output)
-        self.fed = 0
-        self.submitted = self.last_time = time.perf_counter()
-
-    def choose(self, logits: Tensor) -> int:
-        """logits (V,) of the next token -> the token, by this sequence's settings and generator."""
-        logits = logits[None].float()                                             # (1, V)
-        s = self.s
-        if s.repetition_penalty != 1.0 and self.seen is None:
-            self.seen = torch.zeros_like(logits, dtype=torch.bool)
-            self.seen[0, torch.tensor(self.prompt, device=logits.device)] = True
-        processed = process_logits(logits, self.seen, do_sample=s.temperature > 0, temperature=s.temperature,
-                                   top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                   repetition_penalty=s.repetition_penalty)
-        # generate()'s choice and guard: extreme settings (temperature 1e-300, penalty 1e-300) overflow
-        # to inf, whose limit (the largest logits) is taken; a NaN is never drawn (generation.sampling)
-        token = int(choose(processed, s.temperature > 0, self.generator, raw=logits)[0])
-        if self.seen is not None:
-            self.seen[0, token] = True
-        return token
-
-    def push(self, token: int, logits: Tensor, metrics) -> bool:
-        """Record the new token, send its text; True when the sequence is finished."""
-        now = time.perf_counter()
-        if metrics is not None:
-            (metrics.ttft if not self.generated else metrics.itl).observe(
-                now - (self.submitted if not self.generated else self.last_time))
-            metrics.tokens_out.inc()
-        self.last_time = now
-        self.generated.append(token)
-        event = Event(self.index, tokens=[self._token_info(token, logits)] if self.s.logprobs is not None else [])
-        if token in self.eos:
-            event.text, event.finish_reason = self.text.finish(), "stop"
-        else:
-            event.text = self.text.push([token])
-            if self.text.stopped:
-                event.finish_reason = "stop"
-            elif len(self.generated) >= self.s.max_tokens:
-                event.text += self.text.finish()
-                event.finish_reason = "length"
-        self.done = event.finish_reason is not None
-        self.sink(event)
-        return self.done
-
-    def _token_info(self, token: int, logits: Tensor) -> Token:
-        logp = logits.float().log_softmax(-1)                                     # (V,)
-        top = torch.topk(logp, min(self.s.logprobs, logp.numel())) if self.s.logprobs else None
-        alternatives = [] if top is None else [(self.tokenizer.decode([int(i)]), float(v))
-                                               for v, i in zip(top.values, top.indices)]
-        return Token(token, self.tokenizer.decode([token]), float(logp[token]), alternatives)
-
-    def fail(self, message: str) -> None:
-        if not self.done:
-            self.done = True
-            self.sink(Event(self.index, error=message))
 
 
 class Scheduler:
@@ -236,7 +128,12 @@ class Scheduler:
             if model.is_encoder_decoder:
                 seq.memory = model.encode(torch.tensor([seq.source], device=self.device))   # (1, S, D)
         chunk = seq.prompt[seq.fed:seq.fed + budget]
-        logits = model.step(torch.tensor([chunk], device=self.device), seq.cache, memory=seq.memory)   # (1, V)
+        every = seq.s.prompt_logprobs         # echo + logprobs: every position's logits, (1, T, V)
+        logits = model.step(torch.tensor([chunk], device=self.device), seq.cache, memory=seq.memory,
+                            all_logits=every)                                 # (1, V), or (1, T, V) if every
+        if every:
+            seq.note_prompt(logits[0], seq.fed)
+            logits = logits[:, -1]
         seq.fed += len(chunk)
         if seq.fed == len(seq.prompt):
             slot = len(self.running)

@@ -9,10 +9,12 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..generation.settings import OPENAI_DEFAULTS as OPENAI  # OpenAI's defaults, stated once there
+from .served import InputError
 
 MAX_N = 16                  # choices per prompt
 MAX_INPUTS = 256            # prompts, texts or messages per request
 MAX_STOPS = 4               # stop strings (OpenAI's limit)
+MAX_BIAS = 300              # logit_bias entries (OpenAI's limit)
 
 Stop = Union[str, list[str], None]
 
@@ -42,10 +44,30 @@ class Sampled(Body):
                                 description="tformer: drop tokens below min_p x the top probability")
     repetition_penalty: float = Field(OPENAI.repetition_penalty, gt=0, le=10,
                                       description="tformer: >1 makes tokens already seen less likely")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2,
+                                     description="minus this x the times a token was generated, from its logit")
+    presence_penalty: float = Field(0.0, ge=-2, le=2,
+                                    description="minus this from the logit of every token generated so far")
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_BIAS,
+                                                description='{"token id": bias in -100..100} added to the logits')
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias with its keys read as token ids of a vocabulary of vocab_size; a key that is
+        not one answers 400 naming it."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.strip().isascii() and key.strip().isdigit()) or int(key) >= vocab_size:
+                raise InputError(f"logit_bias: {key!r} is not a token id of this model (its vocabulary has ids "
+                                 f"0 to {vocab_size - 1})", "logit_bias")
+            if not -100 <= value <= 100:
+                raise InputError(f"logit_bias: the bias of token {key} is {value}; it must be in -100..100",
+                                 "logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(Sampled):
@@ -71,8 +93,14 @@ class Message(Body):
         return self.content or ""
 
 
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
 class ChatRequest(Sampled):
     messages: list[Message] = Field(..., min_length=1, max_length=MAX_INPUTS)
+    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"} so far")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

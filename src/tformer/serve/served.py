@@ -89,7 +89,10 @@ class Served:
     def chat_ids(self, messages: list[dict]) -> list[int]:
         if self.chat is None:
             raise InputError(f"the model {self.name!r} has no chat template (use /v1/completions)", "messages")
-        text = self.chat.render(messages)
+        try:
+            text = self.chat.render(messages)
+        except ValueError as e:               # the template refused the conversation (raise_exception)
+            raise InputError(str(e), "messages") from None
         ids = self._special_tokens_reader().encode(text, add_special_tokens=False).ids
         if len(ids) > self.context:
             raise InputError(f"the messages take {len(ids)} tokens but the model's context is {self.context} "

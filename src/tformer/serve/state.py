@@ -1,0 +1,72 @@
+"""What the handlers share: the server's options, and the State (the served model, its scheduler or
+encoder worker, the metrics, starting / draining)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .errors import RETRY_AFTER, ApiError
+from .metrics import Metrics
+from .scheduler import Scheduler
+from .served import Served
+
+GENERATES = ("decoder", "encoder-decoder")
+
+
+@dataclass
+class Options:
+    max_batch: int = 16                 # rows decoded together; sizes the KV-cache pool (memory is fixed by it)
+    max_queue: int = 256                # sequences waiting for a row; beyond it requests get 429
+    api_key: str | None = None          # required as "Authorization: Bearer KEY" on /v1/* when set
+    max_body_bytes: int = 1 << 20       # larger request bodies get 413
+    prefill_tokens: int = 256           # prompt tokens fed per scheduler iteration (bounds a step's latency)
+
+
+class State:
+    """What the handlers share: the model, its scheduler (generating models) or worker (encoders)."""
+
+    def __init__(self, served: Served, options: Options):
+        self.served, self.options, self.metrics = served, options, Metrics()
+        self.scheduler: Scheduler | None = None
+        self.worker: ThreadPoolExecutor | None = None   # encoders: one thread owns the model
+        self.pending = 0                                 # encoder requests queued or running
+        self.ready = self.draining = False
+
+    def start(self) -> None:
+        if self.served.kind in GENERATES:
+            self.scheduler = Scheduler(self.served.model, self.options.max_batch, self.options.max_queue,
+                                       self.options.prefill_tokens, self.metrics)
+            self.scheduler.start()
+        else:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="tformer-encoder")
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+
+    def require(self, model: str, kinds: tuple[str, ...], what: str):
+        if model != self.served.name:
+            raise ApiError(404, f"The model {model!r} does not exist (this server serves {self.served.name!r})",
+                           param="model", code="model_not_found")
+        if self.served.kind not in kinds:
+            raise ApiError(400, f"{what} serves {' and '.join(kinds)} checkpoints; {self.served.name!r} is of kind "
+                                f"{self.served.kind!r}", param="model", code="model_not_supported")
+
+    async def on_encoder(self, fn, *args):
+        """Run fn on the encoder thread, at most max_queue requests queued."""
+        if self.pending >= self.options.max_queue:
+            raise ApiError(429, f"{self.pending} requests are waiting (--max-queue {self.options.max_queue})",
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": RETRY_AFTER})
+        self.pending += 1
+        self.metrics.queue.set(self.pending)
+        try:
+            return await asyncio.wrap_future(self.worker.submit(fn, *args))
+        finally:
+            self.pending -= 1
+            self.metrics.queue.set(self.pending)
