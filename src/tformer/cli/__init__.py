@@ -37,6 +37,7 @@ COMMANDS = {
     "bench": "benchmark tformer against Hugging Face and the machine's limits",
     "serve": "serve a checkpoint over HTTP with OpenAI's API (continuous batching)",
     "chat": "talk with a chat model in the terminal, replies streamed",
+    "info": "show the versions, the CPU and whether tformer's C kernels are in use",
 }
 
 

@@ -1,11 +1,18 @@
 """tformer's kernel library: its C sources (this directory's *.c, with their shared *.h) compiled into one
 shared library, and its functions loaded with ctypes.
 
-The library is compiled once at install time (`main()`, which `make` runs), in one compiler call, next
-to its sources (or under ~/.cache/tformer when the package directory is read-only), for the CPU's
-widest vectors (`flags()`). It is used only where it can run: x86-64 Linux with AVX-512 or AVX2,
-PyTorch on OpenMP (the library then shares PyTorch's threads), and a library built from these very
-sources. Anywhere else `function()` gives None and the callers keep PyTorch's kernels (gemv.available).
+The library is compiled on first use (or by `make`: `main()`), in one compiler call, for this CPU's widest
+vectors (`flags()`), into a per-user cache: $TFORMER_CACHE/kernels, else $XDG_CACHE_HOME/tformer/kernels,
+else ~/.cache/tformer/kernels. Its name is a hash of the sources and the flags, so an installed package
+(pip, a wheel, an editable checkout) builds it once per version and CPU kind, never runs an old build, and
+needs no build step of its own. Processes that start together build it once: the first takes a lock on
+the folder, the others wait and load its library, written to a temporary file and renamed into place.
+
+It is used only where it can run: x86-64 Linux with AVX-512 or AVX2, PyTorch on OpenMP (the library then
+shares PyTorch's threads). Where it cannot be built (no compiler, a compiler error, a cache that cannot
+be written) one warning line says why and what it costs; with TFORMER_NO_KERNEL_BUILD=1 nothing is
+compiled (a library built before is still used). Either way `function()` gives None and the callers keep
+PyTorch's kernels (gemv.available); `status()` says which, for `tformer info` and `tformer bench`.
 
     gemv_fp32.c   fp32 weights: x Wᵀ + b for a few rows, reading W once (gemv.gemv)
     gemv_bf16.c   the same on bf16 weights, and greedy decoding's argmax screened through them
@@ -17,6 +24,7 @@ sources. Anywhere else `function()` gives None and the callers keep PyTorch's ke
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,15 +33,23 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+
+from ..errors import warn
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.c"))      # compiled together into one library
 HEADERS = sorted(HERE.glob("*.h"))      # what they include: in the library's name too
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 VECTORS = {"AVX512": ["-mavx512f"], "AMX": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma"]}   # by PyTorch's name for the CPU
+NO_BUILD = "TFORMER_NO_KERNEL_BUILD"
+COST = "decoding uses oneDNN's kernels, about 2x slower for batch 1"
+STALE_DAYS = 30         # other builds in the cache older than this are removed when one is built
+# /proc/cpuinfo's names for what the kernels and PyTorch's bf16 / int8 paths use
+FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def flags() -> list[str]:
@@ -43,18 +59,23 @@ def flags() -> list[str]:
     return FLAGS + VECTORS.get(cpu, []) + vnni
 
 
+def cache_dir() -> Path:
+    """Where built libraries are kept: $TFORMER_CACHE/kernels, else $XDG_CACHE_HOME/tformer/kernels, else
+    ~/.cache/tformer/kernels (data/bible.py keeps its downloads under the same root)."""
+    if os.environ.get("TFORMER_CACHE"):
+        return Path(os.environ["TFORMER_CACHE"]) / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer" / "kernels"
+
+
 def library_path() -> Path:
-    """Where the library built from these sources with these flags lives (the name carries a hash of
-    every source's and header's name and text and of the flags, so a changed file, or a checkout moved
-    to a CPU with other vectors, is never run from an old build)."""
+    """Where the library built from these sources with these flags lives (the name is a hash of every
+    source's and header's name and text and of the flags, so a changed file, or a cache shared with a CPU
+    of other vectors, is never run from an old build)."""
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join(flags()).encode())
-    name = f"_gemv-{digest.hexdigest()[:12]}.so"
-    if os.access(HERE, os.W_OK) or (HERE / name).exists():
-        return HERE / name
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tformer" / name
+    return cache_dir() / f"{digest.hexdigest()[:16]}.so"
 
 
 def unsupported() -> str | None:
@@ -68,34 +89,116 @@ def unsupported() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def locked(folder: Path):
+    """An exclusive lock on `folder` (flock on the folder itself: no lock file left behind), held by one
+    process at a time; released when the block ends or the process dies."""
+    import fcntl
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def build(compiler: str | None = None) -> Path:
-    """Compile every source into library_path() in one call of the compiler (atomically: a half-written
-    library is never loaded). Raises RuntimeError with the compiler's message when it cannot."""
+    """Compile every source into library_path() in one call of the compiler, unless it is there already
+    (atomically, and once among processes that build at the same time: a half-written library is never
+    loaded). Raises RuntimeError saying why when it cannot."""
+    compile_once(compiler)
+    return library_path()
+
+
+def compile_once(compiler: str | None = None) -> bool:
+    """build(): True when this call compiled the library, False when it was there (or another process
+    built it while this one waited for the lock)."""
     reason = unsupported()
     if reason:
         raise RuntimeError(reason)
     out = library_path()
     if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cc = compiler or os.environ.get("CC", "cc")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        return False
+    cc = compiler or os.environ.get("CC") or "cc"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with locked(out.parent):
+            if out.exists():
+                return False
+            compile_into(out, cc)
+            return True
+    except OSError as e:
+        raise RuntimeError(f"cannot write {out.parent}: {e.strerror or e} (set TFORMER_CACHE to a folder "
+                           f"that can be written)") from None
+
+
+def compile_into(out: Path, cc: str) -> None:
+    """One call of `cc` on every source into a temporary file beside `out`, renamed to `out` when whole;
+    then builds of other sources older than STALE_DAYS are removed (another checkout may still use a newer one)."""
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags(), *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        try:
+            done = subprocess.run([cc, *flags(), *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)") from None
         if done.returncode != 0:
             last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
             raise RuntimeError(f"{cc} failed: {last}")
         os.replace(tmp, out)
-        for old in out.parent.glob("_gemv-*.so"):          # builds of earlier sources
-            if old != out:
-                old.unlink(missing_ok=True)
-    except FileNotFoundError:
-        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
+    for old in [*out.parent.glob("*.so"), *out.parent.glob("*.tmp")]:    # a killed build leaves its .tmp
+        with contextlib.suppress(OSError):
+            if old != out and time.time() - old.stat().st_mtime > STALE_DAYS * 86400:
+                old.unlink()
+
+
+@functools.cache
+def open_library(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """The library at `path`, built there first where it is not yet, and how it came: "built now", "" (built
+    before), or why it is not in use. Once per process and path: a library that cannot be built is one
+    warning line, however many callers ask."""
+    if reason := unsupported():
+        return None, reason
+    how = ""
+    if not path.exists():
+        if os.environ.get(NO_BUILD, "") not in ("", "0"):
+            return None, f"not built ({NO_BUILD} is set)"
+        try:
+            how = "built now" if compile_once() else ""
+        except RuntimeError as e:
+            warn(f"tformer's C kernels are not in use ({e}): {COST} ({NO_BUILD}=1 silences this)")
+            return None, str(e)
+    try:
+        return ctypes.CDLL(str(path)), how
+    except OSError as e:
+        warn(f"tformer's C kernels are not in use ({path} cannot be loaded: {e}): {COST}")
+        return None, f"{path} cannot be loaded: {e}"
+
+
+def status() -> str:
+    """One line for `tformer info` and `tformer bench`: the kernels in use and the library's path, or why not."""
+    library, how = open_library(library_path())
+    if library is None:
+        return f"not in use: {how}; {COST}"
+    return f"in use: {library_path()}" + (f" ({how})" if how else "")
+
+
+def cpu() -> tuple[str, list[str]]:
+    """This CPU's model name (with its family and model numbers: "AMD EPYC" names several generations) and
+    which of FEATURES it has, from the first processor of /proc/cpuinfo; elsewhere the platform's name and none."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    have = set(fields.get("flags", "").split())
+    return name, [f for f in FEATURES if f in have]
 
 
 # The library's entry points: their argument types and result type (ctypes' names)
@@ -115,20 +218,21 @@ FUNCTIONS = {
 
 @functools.cache
 def function(name: str):
-    """The library's C function `name` (one of FUNCTIONS) with its argument and result types, or None
-    where the library cannot run."""
-    if unsupported() or not library_path().exists():
+    """The library's C function `name` (one of FUNCTIONS) with its argument and result types (the library
+    built on the first call where it is not yet), or None where it cannot run or be built."""
+    library, _ = open_library(library_path())
+    if library is None:
         return None
     argtypes, restype = FUNCTIONS[name]
-    fn = getattr(ctypes.CDLL(str(library_path())), name)
+    fn = getattr(library, name)
     fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
 def main() -> None:
-    """Build the library and say so (make runs it at install); a machine that cannot build it still
-    installs, and decodes with oneDNN's kernels."""
+    """Build the library and say so (make runs it); a machine that cannot build it still installs, and
+    decodes with oneDNN's kernels."""
     try:
         print(f"tformer.kernels: built {build()}")
     except RuntimeError as e:
-        print(f"tformer.kernels: not built ({e}); decoding uses oneDNN's kernels")
+        print(f"tformer.kernels: not built ({e}); {COST}")
