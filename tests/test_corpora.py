@@ -65,7 +65,7 @@ def test_missing_sword_modules_say_how_to_install(tmp_path):
 
 
 def test_bible_pairs_when_installed():
-    cache = bible.cache_dir() / "bible-en-es.tsv"
+    cache = bible.cache_root() / "bible-en-es.tsv"
     if not cache.exists():  # building it reads the whole of both modules (minutes): not in the fast suite
         pytest.skip("bible-en-es not built yet (needs sword-text-web + sword-text-sparv; `make system-deps`)")
     pairs = corpora.bible_en_es()

@@ -13,6 +13,10 @@ tformer.checkpoints.format writes one (`save(..., adapter_base=BASE)`) and `load
 the base is loaded (and checked: a missing one, or one whose model.safetensors has another checksum,
 is a CheckpointError naming its path and both checksums), int8-quantised when the adapter says so, and
 the adapter applied. peft's own format (Hugging Face module names): tformer.checkpoints.hf.lora.to_peft.
+
+Starting a new run from a LoRA checkpoint (`--init LORA_RUN`) starts from base + adapter merged into one
+plain model (`merged`, peft's merge_and_unload); an adapter on an int8 base cannot be merged, and
+`refuse_int8_init` says so before the run starts.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from torch import Tensor, nn
 
 from ..errors import CheckpointError, ConfigError
 from ..inference.quant import Int8LoRALinear, quantize_int8
-from ..model.lora import TARGETS, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict
+from ..model.lora import TARGETS, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, merge, remove_lora
 from .files import write_json_atomic
-from .layout import run_dir_of
+from .layout import resolve, run_dir_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -104,4 +108,34 @@ def attach(model: nn.Module, config: dict[str, Any], state: dict[str, Tensor], s
                    config["use_rslora"])
         return load_lora_state_dict(model, state)
     except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def refuse_int8_init(init: str | os.PathLike) -> None:
+    """A one-line CheckpointError when the checkpoint `init` (to start a run from) is a LoRA adapter on an int8
+    base: int8 weights cannot take the adapter in (`merged`). Any other path: nothing (others check it)."""
+    try:
+        ckpt = resolve(init)
+    except CheckpointError:
+        return
+    if not (ckpt / ADAPTER_CONFIG).is_file():
+        return
+    config = read_adapter_config(ckpt)
+    if config["int8"]:
+        raise CheckpointError(f"--init {init} is a LoRA adapter on an int8 base (--lora-int8), which cannot be "
+                              f"merged into full weights: start from its base {base_dir(ckpt, config)} instead")
+
+
+def merged(model: nn.Module, source: str | os.PathLike) -> nn.Module:
+    """`model` as one plain model: LoRA adapters (a LoRA checkpoint as format.load gives it: base + adapter)
+    merged into the weights and removed, as peft's merge_and_unload; a model without adapters as it is. What
+    a run started from `source` (--init) trains. In place; returns the model."""
+    layers = lora_layers(model)
+    if not layers:
+        return model
+    if any(isinstance(layer, Int8LoRALinear) for layer in layers.values()):
+        raise CheckpointError(f"{source}: a LoRA adapter on an int8 base cannot be merged into full weights")
+    try:
+        return remove_lora(merge(model))
+    except ConfigError as e:   # an adapter on a weight tied to another (lm_head = embeddings)
         raise CheckpointError(f"{source}: {e}") from None

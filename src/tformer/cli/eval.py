@@ -4,11 +4,15 @@
     tformer eval --model runs/sentiment --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
     tformer eval --model runs/numbers --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
     tformer eval --model runs/ner                     # held-out sentences: loss, entity precision/recall/F1
+    tformer eval --model runs/assistant               # --task sft: the loss over the trained (assistant) tokens
+    tformer eval --model runs/preferred               # --task dpo: preference accuracy, mean rewards and margin
 
 Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
 fraction, seed), so the scores are on data the model never trained on. With --data: a text file
-(language model), a CSV/TSV/JSONL table (classifier), a TSV/JSONL of pairs (translator) or a CoNLL
-file of `word label` lines (tagger), scored whole.
+(language model), a CSV/TSV/JSONL table (classifier), a TSV/JSONL of pairs (translator), a CoNLL
+file of `word label` lines (tagger), a JSONL of conversations (sft) or of preference pairs (dpo),
+scored whole. A LoRA run is scored as base + adapter; a DPO run against its reference: the base with
+the adapters off (LoRA), else the --init checkpoint the run records.
 """
 # What to score is the task's to say (its `heldout`, found through the task registry); how to score
 # it is the evaluation layer's, which `tformer classify/tag/translate` and the server share.
@@ -24,6 +28,8 @@ from tformer.cli.args import positive_int
 
 # The task that trains each kind of model, and so says how its held-out split was built.
 TASK_OF_KIND = {"decoder": "lm", "classifier": "classify", "tagger": "tag", "encoder-decoder": "translate"}
+# Decoders fine-tuned on chat data: the task the checkpoint records (meta "task") says how to score them.
+CHAT_TASKS = ("sft", "dpo")
 
 
 def register(sub) -> None:
@@ -34,7 +40,8 @@ def register(sub) -> None:
                         "else the newest checkpoint)")
     p.add_argument("--data", default=None, help="data to score (default: the run's held-out split)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys val_loss, perplexity, accuracy, "
-                   "macro_f1, bleu, chrf, exact_match, precision, recall, f1: those that apply)")
+                   "macro_f1, bleu, chrf, exact_match, precision, recall, f1, rewards/chosen, rewards/rejected, "
+                   "rewards/margins: those that apply)")
     p.add_argument("--num-beams", type=positive_int, default=1, help="translation: beam width, 1 = greedy (default 1)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score only the first N examples")
     p.add_argument("--text-column", default=None, help="classification --data: the text column (default: the run's)")
@@ -49,16 +56,17 @@ def run(args) -> int:
 
     if args.num_beams < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--num-beams and --limit must be at least 1")
-    model = load(args.model)
+    model = load(args.model)   # a LoRA checkpoint: its base + the adapter
     model.eval()
-    scorers = {"classifier": eval_classifier, "tagger": eval_tagger, "encoder-decoder": eval_translator,
-               "decoder": lambda *a: (eval_lm(*a), "")}
-    if model.kind not in scorers:
+    scorers = {"classify": eval_classifier, "tag": eval_tagger, "translate": eval_translator,
+               "lm": lambda *a: (eval_lm(*a), ""), "sft": eval_sft, "dpo": eval_dpo}
+    if model.kind not in TASK_OF_KIND:
         raise ConfigError(f"{args.model} holds a bare {type(model).__name__}; eval scores a Decoder, "
                           "EncoderClassifier, EncoderTokenClassifier or EncoderDecoder")
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
-    result, extra = scorers[model.kind](model, tokenizer, meta, args, task_class(TASK_OF_KIND[model.kind]))
+    name = meta["task"] if model.kind == "decoder" and meta.get("task") in CHAT_TASKS else TASK_OF_KIND[model.kind]
+    result, extra = scorers[name](model, tokenizer, meta, args, task_class(name))
     if args.json:
         print(json.dumps(result))
     else:
@@ -133,3 +141,53 @@ def eval_translator(model, tokenizer, meta, args, task):
     examples = "\n".join(f"{src}  ->  {hyp}   (reference: {ref})"
                          for src, hyp, ref in list(zip(sources, s["hypotheses"], targets))[:3])
     return ({k: s[k] for k in ("val_loss", "perplexity", "bleu", "chrf", "exact_match")}, examples)
+
+
+def _chat_renderer(model_dir, tokenizer, train_on_prompt: bool = False):
+    """The Renderer of a chat run: its tokenizer and the template its checkpoint carries."""
+    from tformer.checkpoints.layout import resolve
+    from tformer.data.chat import Renderer
+    from tformer.data.chat_template import find_chat_template
+    from tformer.errors import ConfigError
+
+    try:
+        template = find_chat_template(resolve(model_dir))
+    except ValueError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None
+    if template is None:
+        raise ConfigError(f"{model_dir} has no chat template (chat_template.jinja); not an sft or dpo run")
+    return Renderer(tokenizer, template, train_on_prompt)
+
+
+def eval_sft(model, tokenizer, meta, args, task):
+    from tformer.tasks.sft import fitting, trained_loss
+
+    examples = _limit(task.heldout(meta, args.data), args.limit)
+    renderer = _chat_renderer(args.model, tokenizer, meta.get("train_on_prompt", False))
+    context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    rendered = fitting([renderer(e) for e in examples], context, args.data or meta["data"], "held-out")
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    loss = trained_loss(model, [[r] for r in rendered], pad_id)   # one row each: packing does not change it
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}, ""
+
+
+def eval_dpo(model, tokenizer, meta, args, task):
+    from tformer.checkpoints.format import load
+    from tformer.errors import ConfigError
+    from tformer.model.lora import lora_layers
+    from tformer.tasks.dpo import render_pairs, score_pairs
+
+    frozen = None
+    if not lora_layers(model):   # a LoRA run's reference is its base: the model with the adapters off
+        if "init" not in meta:
+            raise ConfigError(f"{args.model} does not record its reference model (the run's --init); "
+                              "train it again with this version of tformer")
+        frozen = load(meta["init"])
+    pairs = _limit(task.heldout(meta, args.data), args.limit)
+    context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
+    rendered = render_pairs(_chat_renderer(args.model, tokenizer), pairs, context, args.data or meta["data"],
+                            "held-out")
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    s = score_pairs(model, frozen, rendered, pad_id, float(meta["dpo_beta"]))
+    return {"val_loss": s["val_loss"], "accuracy": s["val_accuracy"],
+            **{k: s[f"val_{k}"] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}, ""

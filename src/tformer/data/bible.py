@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ..errors import DataError
+from ..kernels.build import cache_root
 
 SWORD_DIR = "/usr/share/sword"
 BIBLE_MODULES = {"en": ("engWEB2015eb", "sword-text-web"), "es": ("spaRV1909eb", "sword-text-sparv")}
@@ -26,13 +27,6 @@ def strip_osis(text: str) -> str:
     text = _INLINE_TAGS.sub("", text)
     text = _ANY_TAG.sub(" ", text)
     return " ".join(text.split())
-
-
-def cache_dir() -> Path:
-    """$TFORMER_CACHE, else $XDG_CACHE_HOME/tformer, else ~/.cache/tformer."""
-    if os.environ.get("TFORMER_CACHE"):
-        return Path(os.environ["TFORMER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer"
 
 
 def _read_sword_module(modules, name: str) -> dict[tuple[str, int, int], str]:
@@ -67,8 +61,8 @@ def build_bible(sword_dir: str = SWORD_DIR) -> list[tuple[str, int, int, str, st
 
 def verse_pairs(sword_dir: str = SWORD_DIR) -> list[tuple[str, int, str, str]]:
     """(book, chapter, english, spanish) of every aligned verse, converted from the sword modules once
-    and cached as TSV (cache_dir()/bible-en-es.tsv)."""
-    path = cache_dir() / "bible-en-es.tsv"
+    and cached as TSV (cache_root()/bible-en-es.tsv)."""
+    path = cache_root() / "bible-en-es.tsv"
     if not path.exists():
         rows = build_bible(sword_dir)
         path.parent.mkdir(parents=True, exist_ok=True)

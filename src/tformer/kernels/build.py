@@ -59,12 +59,17 @@ def flags() -> list[str]:
     return FLAGS + VECTORS.get(cpu, []) + vnni
 
 
-def cache_dir() -> Path:
-    """Where built libraries are kept: $TFORMER_CACHE/kernels, else $XDG_CACHE_HOME/tformer/kernels, else
-    ~/.cache/tformer/kernels (data/bible.py keeps its downloads under the same root)."""
+def cache_root() -> Path:
+    """tformer's per-user cache: $TFORMER_CACHE, else $XDG_CACHE_HOME/tformer, else ~/.cache/tformer (the
+    kernels here, the data sets built once in tformer.data)."""
     if os.environ.get("TFORMER_CACHE"):
-        return Path(os.environ["TFORMER_CACHE"]) / "kernels"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer" / "kernels"
+        return Path(os.environ["TFORMER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tformer"
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: cache_root()/kernels."""
+    return cache_root() / "kernels"
 
 
 def library_path() -> Path:

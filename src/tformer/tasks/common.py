@@ -70,6 +70,7 @@ def load_pretrained_encoder(init: str):
     """(Encoder, Tokenizer) from --init: a tformer checkpoint (an Encoder, or a classifier or tagger, whose
     encoder is taken) or a Hugging Face BERT directory (converted with tformer.from_hf). The tokenizer
     is the one saved with it: a pretrained encoder only understands its own token ids."""
+    from ..checkpoints.adapter import merged
     from ..checkpoints.format import load, load_tokenizer
     from ..data.tokenizers import Tokenizer
 
@@ -77,7 +78,7 @@ def load_pretrained_encoder(init: str):
     if not path.exists():
         raise CheckpointError(f"--init {init}: no such directory")
     if is_tformer_checkpoint(path):
-        model = load(path)
+        model = merged(load(path), path)   # a LoRA run: base + adapter in one model
         tokenizer = load_tokenizer(path)
     else:
         if not (path / "config.json").is_file():

@@ -16,9 +16,11 @@ adapters turned off (tformer.model.lora.adapters_off): no second copy of the wei
 task keeps one frozen copy of the --init weights (made on the first loss, on the model's device). Its
 log-probabilities are computed per batch under no_grad, in eval mode (no dropout), nothing precomputed.
 
-Training logs the DPO loss (the loop logs one number per step); validation adds, over the held-out
-pairs (the last --val-fraction of a seeded shuffle), the preference accuracy (the share of pairs whose
-chosen response's implicit reward beta * (log pi - log pi_ref) is the higher) and trl's mean rewards.
+Training logs, next to the DPO loss, trl's rewards/chosen, rewards/rejected, rewards/margins and
+rewards/accuracies of the steps (the implicit reward of a response is beta * (log pi - log pi_ref)); validation,
+over the held-out pairs (the last --val-fraction of a seeded shuffle), val_loss, the preference accuracy
+val_accuracy (the share of pairs whose chosen response's reward is the higher) and val_rewards/* (`score_pairs`,
+which `tformer eval` calls too: the run records its --init, the reference of a run without LoRA).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..data import instruct
 from ..data.chat import Example, Rendered, Renderer, check_messages, json_object, read_jsonl
 from ..data.files import split_rows, step_generator
 from ..data.tokenizers import Tokenizer
@@ -86,6 +90,17 @@ def read_pairs(path) -> list[Pair]:
     return read_jsonl(path, parse_pair)
 
 
+def instruct_pairs(split: str) -> list[Pair]:
+    return [Pair(*sides) for sides in instruct.preferences(split)]
+
+
+def pair_splits(data: str, val_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+    """(training, validation) pairs: tformer-instruct's preference splits, else a file's seeded split."""
+    if data == instruct.NAME:
+        return instruct_pairs("train"), instruct_pairs("validation")
+    return split_rows(read_pairs(data), val_fraction, seed)
+
+
 def collate_pairs(pairs: list[tuple[Rendered, Rendered]], pad_id: int) -> dict[str, Tensor]:
     """(B, T) tensors per side, T the longest of both sides: {side}_ids (right-padded with pad_id),
     {side}_mask (1 on real tokens), {side}_response (1 on the response's tokens)."""
@@ -103,11 +118,74 @@ def collate_pairs(pairs: list[tuple[Rendered, Rendered]], pad_id: int) -> dict[s
     return out
 
 
+def render_pairs(renderer: Renderer, pairs: list[Pair], context: int, source: str,
+                 split: str) -> list[tuple[Rendered, Rendered]]:
+    """Each pair of the file `source` rendered (chosen, rejected), but those with a side longer than `context`
+    tokens or with no response token to score: skipped with a warning; DataError if none is left."""
+    rendered = [(renderer(p.chosen), renderer(p.rejected)) for p in pairs]
+    fit = [p for p in rendered if all(len(r.ids) <= context and any(r.trained[1:]) for r in p)]
+    if len(fit) < len(rendered):
+        warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} pairs were skipped: a response longer "
+             f"than --context {context} tokens, or one with no token to score")
+    if not fit:
+        raise DataError(f"{source}: no {split} pair fits --context {context} tokens")
+    return fit
+
+
+@contextmanager
+def reference(model: nn.Module, frozen: nn.Module | None) -> Iterator[nn.Module]:
+    """The reference model, in eval mode: `model` with its LoRA adapters off, else the `frozen` copy."""
+    if not lora_layers(model):
+        if frozen is None:
+            raise ValueError("DPO without LoRA adapters needs a frozen reference model")
+        yield frozen
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with adapters_off(model):
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def pair_loss(model: nn.Module, frozen: nn.Module | None, batch: dict[str, Tensor],
+              beta: float) -> tuple[Tensor, dict[str, float]]:
+    """(DPO loss, trl's reward metrics) of a batch of pairs (collate_pairs) on the model's device; the
+    reference as `reference(model, frozen)` gives it."""
+    ids, mask, response = (torch.cat([batch[f"{s}_{k}"] for s in SIDES]) for k in ("ids", "mask", "response"))
+    with torch.no_grad(), reference(model, frozen) as ref:   # first: the policy's is the forward backward follows
+        reference_logps = sequence_logprobs(ref, ids, mask, response)
+    policy = sequence_logprobs(model, ids, mask, response)
+    n = len(batch["chosen_ids"])
+    return dpo_loss(policy[:n], policy[n:], reference_logps[:n], reference_logps[n:], beta)
+
+
+def score_pairs(model: nn.Module, frozen: nn.Module | None, pairs: list[tuple[Rendered, Rendered]], pad_id: int,
+                beta: float, batch_size: int = 8) -> dict[str, float]:
+    """Over every pair: val_loss (the DPO loss), val_accuracy (chosen reward > rejected reward) and the mean
+    rewards (val_rewards/chosen, /rejected, /margins), under no_grad; pass `model` in eval mode."""
+    device = next(model.parameters()).device
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start:start + batch_size]
+            batch = {k: v.to(device) for k, v in collate_pairs(chunk, pad_id).items()}
+            loss, metrics = pair_loss(model, frozen, batch, beta)
+            for k, v in {"loss": float(loss), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + v * len(chunk)
+    mean = {k: v / len(pairs) for k, v in sums.items()}
+    return {"val_loss": mean["loss"], "val_accuracy": mean["rewards/accuracies"],
+            **{f"val_{k}": mean[k] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+
+
 class DPOTask(SFTTask):
     """--task dpo: the base, tokenizer, template, model and sample as --task sft's; pairs, loss and
     validation of its own."""
     name = "dpo"
     Options = DPOOptions
+    sequences_per_row = 2    # for the memory check (inference.limits.check_task): a row is a pair,
+    reference_copy = True    # and without LoRA the reference is a second, frozen copy of the model
 
     @staticmethod
     def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
@@ -118,58 +196,31 @@ class DPOTask(SFTTask):
     def heldout(cls, meta: dict[str, Any], data: str | None = None) -> list[Pair]:
         """The pairs `evaluate` scored: the file `data` whole, else the run's held-out split rebuilt from meta()."""
         if data is not None:
-            return read_pairs(data)
-        return split_rows(read_pairs(meta["data"]), meta["val_fraction"], meta["seed"])[1]
+            return instruct_pairs("test") if data == instruct.NAME else read_pairs(data)
+        return pair_splits(meta["data"], meta["val_fraction"], meta["seed"])[1]
 
     def __init__(self, opts: DPOOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         if not opts.data:
             raise ConfigError("--task dpo needs --data FILE.jsonl (prompt, chosen, rejected per line)")
         self.load_base(opts, tokenizer, init)
         renderer = Renderer(self.tokenizer, self.template)
-        train, val = split_rows(read_pairs(opts.data), opts.val_fraction, opts.seed)
+        train, val = pair_splits(opts.data, opts.val_fraction, opts.seed)
         if not val:
             raise DataError(f"{opts.data}: too few pairs to hold any out for validation (give more)")
-        self.train_pairs = self.render(renderer, train, "training")
-        self.val_pairs = self.render(renderer, val, "validation")
+        self.train_pairs = render_pairs(renderer, train, self.context, opts.data, "training")
+        self.val_pairs = render_pairs(renderer, val, self.context, opts.data, "validation")
         self.stops = {r.ids[-1] for pair in self.train_pairs for r in pair}     # each response's last token
         chosen = self.val_pairs[0][0]
         self.prompt = chosen.ids[:max(1, chosen.trained.index(True))]            # what sample() answers
         self.ref: nn.Module | None = None                                        # without LoRA: the frozen copy
 
-    def render(self, renderer: Renderer, pairs: list[Pair], split: str) -> list[tuple[Rendered, Rendered]]:
-        rendered = [(renderer(p.chosen), renderer(p.rejected)) for p in pairs]
-        fit = [p for p in rendered if all(len(r.ids) <= self.context and any(r.trained[1:]) for r in p)]
-        if len(fit) < len(rendered):
-            warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} pairs were skipped: a response longer "
-                 f"than --context {self.context} tokens, or one with no token to score")
-        if not fit:
-            raise DataError(f"{self.opts.data}: no {split} pair fits --context {self.context} tokens")
-        return fit
-
-    @contextmanager
-    def reference(self, model: nn.Module) -> Iterator[nn.Module]:
-        """The reference model, in eval mode: `model` with its adapters off (LoRA), else the frozen copy."""
-        if not lora_layers(model):
-            if self.ref is None:
-                self.ref = self.build_model().requires_grad_(False).eval().to(next(model.parameters()).device)
-            yield self.ref
-            return
-        was_training = model.training
-        model.eval()
-        try:
-            with adapters_off(model):
-                yield model
-        finally:
-            model.train(was_training)
-
-    def compute(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """(DPO loss, trl's reward metrics) of a batch of pairs on the model's device."""
-        ids, mask, response = (torch.cat([batch[f"{s}_{k}"] for s in SIDES]) for k in ("ids", "mask", "response"))
-        with torch.no_grad(), self.reference(model) as ref:    # first: the policy's is the forward backward follows
-            reference = sequence_logprobs(ref, ids, mask, response)
-        policy = sequence_logprobs(model, ids, mask, response)
-        n = len(batch["chosen_ids"])
-        return dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], self.opts.dpo_beta)
+    def frozen(self, model: nn.Module) -> nn.Module | None:
+        """The reference copy of the --init weights (made on first use, on the model's device); None with LoRA."""
+        if lora_layers(model):
+            return None
+        if self.ref is None:
+            self.ref = self.build_model().requires_grad_(False).eval().to(next(model.parameters()).device)
+        return self.ref
 
     # --- the protocol (build_model, sample, pad_id: SFTTask's) ------------------------------------
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
@@ -177,28 +228,21 @@ class DPOTask(SFTTask):
         picks = torch.randint(len(pairs), (self.opts.batch_size,), generator=step_generator(self.opts.seed, step))
         return collate_pairs([pairs[int(i)] for i in picks], self.pad_id)
 
+    def loss_and_metrics(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        """The DPO loss and trl's rewards/* of the batch (tformer.training.steplog logs them)."""
+        return pair_loss(model, self.frozen(model), batch, self.opts.dpo_beta)
+
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        return self.compute(model, batch)[0]
+        return self.loss_and_metrics(model, batch)[0]
 
     def tokens(self, batch: dict[str, Tensor]) -> int:
         return int(batch["chosen_mask"].sum() + batch["rejected_mask"].sum())
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """val_loss (the DPO loss), val_accuracy (chosen reward > rejected reward) and the mean rewards,
-        each averaged over every held-out pair."""
-        device = next(model.parameters()).device
-        sums: dict[str, float] = {}
-        with torch.no_grad():
-            for start in range(0, len(self.val_pairs), self.opts.batch_size):
-                chunk = self.val_pairs[start:start + self.opts.batch_size]
-                batch = {k: v.to(device) for k, v in collate_pairs(chunk, self.pad_id).items()}
-                loss, metrics = self.compute(model, batch)
-                for k, v in {"loss": float(loss), **metrics}.items():
-                    sums[k] = sums.get(k, 0.0) + v * len(chunk)
-        mean = {k: v / len(self.val_pairs) for k, v in sums.items()}
-        return {"val_loss": mean["loss"], "val_accuracy": mean["rewards/accuracies"],
-                **{f"val_{k}": mean[k] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+        return score_pairs(model, self.frozen(model), self.val_pairs, self.pad_id, self.opts.dpo_beta,
+                           self.opts.batch_size)
 
     def meta(self) -> dict[str, Any]:
         return {"data": str(self.opts.data), "context": self.context, "val_fraction": self.opts.val_fraction,
-                "seed": self.opts.seed, "dpo_beta": self.opts.dpo_beta}
+                "seed": self.opts.seed, "dpo_beta": self.opts.dpo_beta,
+                "init": str(Path(self.base).resolve())}   # the reference `tformer eval` scores against (no LoRA)

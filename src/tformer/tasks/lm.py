@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data import instruct
 from ..data.files import lm_batch, read_text, split_text
 from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError
@@ -43,6 +44,14 @@ HAMLET = dict(preset="mini", batch_size=16, lr=4e-3, warmup=30, dropout=0.2, att
               ema=0.99, keep_best=True, eval_every=250)
 
 
+# The walk-through's first step (README, "From a language model to an assistant"): the texts of
+# tformer-instruct's training split, 4,000 BPE pieces for its English, Spanish, tweets and play, preset
+# `mini` with rows of 256 tokens (the longest instruction with its reply fits one), no dropout (3.5 MB of
+# text is not learnt by heart in 900 steps), a fixed number of steps so any machine makes the same model.
+INSTRUCT = dict(tokenizer="bpe", vocab_size=4000, preset="mini", context=256, batch_size=16, lr=3e-3, warmup=30,
+                dropout=0.0, max_steps=900, eval_every=300)
+
+
 class LMTask:
     name = "lm"
     Options = LMOptions
@@ -54,6 +63,8 @@ class LMTask:
         hamlet the demo's recipe (HAMLET), measured best for 5 minutes on a 2-core CPU."""
         if init is not None:
             return {}
+        if data == instruct.NAME:
+            return INSTRUCT
         return {"tokenizer": "char", "vocab_size": 2000, "preset": "small", **(HAMLET if data == "hamlet" else {})}
 
     @classmethod
@@ -62,16 +73,17 @@ class LMTask:
         data `meta()` recorded as training cut it (the last val_fraction; this task's default when not
         recorded). None: the checkpoint records no training data."""
         if data is not None:
-            return read_text(data)
+            return instruct.pretraining_text() if data == instruct.NAME else read_text(data)
         if "data" not in meta:
             return None
-        return split_text(read_text(meta["data"]), meta.get("val_fraction", cls.Options.val_fraction))[1]
+        text = instruct.pretraining_text() if meta["data"] == instruct.NAME else read_text(meta["data"])
+        return split_text(text, meta.get("val_fraction", cls.Options.val_fraction))[1]
 
     def __init__(self, opts: LMOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         self.opts = opts
         self.seed, self.batch_size = opts.seed, opts.batch_size
         self.init = init
-        text = read_text(opts.data, errors=opts.errors)
+        text = instruct.pretraining_text() if opts.data == instruct.NAME else read_text(opts.data, errors=opts.errors)
         self.train_text, self.val_text = split_text(text, opts.val_fraction)
         if tokenizer is None and init is not None:
             from ..checkpoints.format import load_tokenizer
@@ -120,9 +132,10 @@ class LMTask:
 
         model = Decoder(self.cfg)
         if self.init is not None:
+            from ..checkpoints.adapter import merged
             from ..checkpoints.format import load
 
-            model.load_state_dict(load(self.init).state_dict())
+            model.load_state_dict(merged(load(self.init), self.init).state_dict())   # a LoRA run: base + adapter
         return model
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:

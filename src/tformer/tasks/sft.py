@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..data import instruct
 from ..data.chat import IGNORE, Renderer, collate, pack, read_examples
 from ..data.chat_template import (
     DEFAULT_TEMPLATE,
@@ -49,6 +50,12 @@ from ..training.config import TrainOptions
 from ..training.options import option
 
 SAMPLE_TOKENS = 48  # the progress sample's reply length at most
+
+
+# The walk-through's second step: full rows of 256 tokens (16 packed conversations of ~60 tokens each), the
+# rate of a small model's fine-tuning, a fixed number of steps (the same model on any machine); chosen on
+# the validation split (tformer.data.instruct), never on the test split `tformer eval` reports.
+INSTRUCT = {"batch_size": 16, "lr": 2e-3, "warmup": 30, "weight_decay": 0.0, "max_steps": 1800, "eval_every": 600}
 
 
 @dataclass
@@ -71,7 +78,10 @@ class SFTTask:
     @staticmethod
     def recipe(data: str, init: str | None, time_budget: float | None) -> dict[str, Any]:
         """A fine-tuning starting point (not a measured best): small batches, a lower peak rate than from
-        scratch, a short warm-up, no weight decay pulling the base's weights to zero."""
+        scratch, a short warm-up, no weight decay pulling the base's weights to zero. On tformer-instruct (the
+        README's walk-through, from the `--task lm --data tformer-instruct` model): INSTRUCT."""
+        if data == instruct.NAME:
+            return INSTRUCT
         return {"batch_size": 8, "lr": 3e-4, "warmup": 10, "weight_decay": 0.0, "eval_every": 100}
 
     @classmethod
@@ -79,15 +89,15 @@ class SFTTask:
         """The examples (tformer.data.chat.Example) `evaluate` scored: the file `data` whole, else the run's
         held-out split rebuilt from meta()."""
         if data is not None:
-            return read_examples(data)
-        return split_rows(read_examples(meta["data"]), meta["val_fraction"], meta["seed"])[1]
+            return instruct.examples("test") if data == instruct.NAME else read_examples(data)
+        return read_splits(meta["data"], meta["val_fraction"], meta["seed"])[1]
 
     def __init__(self, opts: SFTOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         if not opts.data:
             raise ConfigError("--task sft needs --data FILE.jsonl (conversations or prompt-completion pairs)")
         self.load_base(opts, tokenizer, init)
         renderer = Renderer(self.tokenizer, self.template, opts.train_on_prompt)
-        train, val = split_rows(read_examples(opts.data), opts.val_fraction, opts.seed)
+        train, val = read_splits(opts.data, opts.val_fraction, opts.seed)
         if not val:
             raise DataError(f"{opts.data}: too few examples to hold any out for validation (give more)")
         self.val_examples = val
@@ -148,12 +158,7 @@ class SFTTask:
 
     def _rows(self, rendered: list, split: str) -> tuple[list, set[int]]:
         """Rendered examples -> rows (packed, or one each); the ids that end trained turns."""
-        fit = [r for r in rendered if len(r.ids) <= self.context and any(r.trained[1:])]
-        if len(fit) < len(rendered):
-            warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} examples were skipped: longer than "
-                 f"--context {self.context} tokens, or nothing to train after the first token")
-        if not fit:
-            raise DataError(f"{self.opts.data}: no {split} example fits --context {self.context} tokens")
+        fit = fitting(rendered, self.context, self.opts.data, split)
         stops = {r.ids[i] for r in fit for i in range(len(r.ids))
                  if r.trained[i] and (i + 1 == len(r.ids) or not r.trained[i + 1])}
         groups = pack([len(r.ids) for r in fit], self.context) if self.opts.packing else [[i] for i in range(len(fit))]
@@ -168,11 +173,12 @@ class SFTTask:
 
     # --- the protocol ------------------------------------------------------------------
     def build_model(self) -> nn.Module:
+        from ..checkpoints.adapter import merged
         from ..checkpoints.format import load
         from ..model.models import Decoder
 
         model = Decoder(self.cfg)
-        model.load_state_dict(load(self.base).state_dict())
+        model.load_state_dict(merged(load(self.base), self.base).state_dict())   # a LoRA run: base + adapter
         return model
 
     def batch(self, step: int, split: str = "train") -> dict[str, Tensor]:
@@ -192,18 +198,7 @@ class SFTTask:
         return int((batch["segments"] > 0).sum())
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        device = next(model.parameters()).device
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for start in range(0, len(self.val_rows), self.opts.batch_size):
-                batch = {k: v.to(device) for k, v in
-                         collate(self.val_rows[start:start + self.opts.batch_size], self.pad_id).items()}
-                logits = model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"])
-                labels = batch["labels"].flatten()
-                total += float(F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE,
-                                               reduction="sum"))
-                count += int((labels != IGNORE).sum())
-        return {"val_loss": total / count}
+        return {"val_loss": trained_loss(model, self.val_rows, self.pad_id, self.opts.batch_size)}
 
     def sample(self, model: nn.Module) -> str:
         """The model's greedy reply to the first held-out prompt, up to the end of its turn."""
@@ -225,6 +220,41 @@ class SFTTask:
     def meta(self) -> dict[str, Any]:
         return {"data": str(self.opts.data), "context": self.context, "val_fraction": self.opts.val_fraction,
                 "seed": self.opts.seed, "packing": self.opts.packing, "train_on_prompt": self.opts.train_on_prompt}
+
+
+def fitting(rendered: list, context: int, source: str, split: str) -> list:
+    """The rendered examples (tformer.data.chat.Rendered) of the file `source` that fit `context` tokens and
+    train a token after the first, the others skipped with a warning; DataError if none is left."""
+    fit = [r for r in rendered if len(r.ids) <= context and any(r.trained[1:])]
+    if len(fit) < len(rendered):
+        warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} examples were skipped: longer than "
+             f"--context {context} tokens, or nothing to train after the first token")
+    if not fit:
+        raise DataError(f"{source}: no {split} example fits --context {context} tokens")
+    return fit
+
+
+def trained_loss(model: nn.Module, rows: list, pad_id: int, batch_size: int = 8) -> float:
+    """The mean cross-entropy over every trained token of `rows` (lists of tformer.data.chat.Rendered, packed or
+    one each), under no_grad: SFT's validation loss, and what `tformer eval` reports for an SFT run."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
+            logits = model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"])
+            labels = batch["labels"].flatten()
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE,
+                                           reduction="sum"))
+            count += int((labels != IGNORE).sum())
+    return total / count
+
+
+def read_splits(data: str, val_fraction: float, seed: int) -> tuple[list, list]:
+    """(training, validation) examples: tformer-instruct's own splits, else a file's seeded split."""
+    if data == instruct.NAME:
+        return instruct.examples("train"), instruct.examples("validation")
+    return split_rows(read_examples(data), val_fraction, seed)
 
 
 def make_special(tokenizer: Tokenizer, tokens: list[str]) -> None:

@@ -40,6 +40,9 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
             # (opts.seed, step): use tformer.data.files.step_generator(seed, step). Every tensor has the
             # batch dimension first; the trainer slices rows for each process and micro-batch.
         def loss(self, model, batch) -> Tensor   # scalar mean loss of a (micro-)batch already on device
+        def loss_and_metrics(self, model, batch) -> tuple[Tensor, dict[str, float]]
+            # optional: the loss and per-step metrics of the task's own, logged next to train_loss
+            # (DPO's rewards/*); the loop then calls it instead of loss (tformer.training.steplog)
         def tokens(self, batch) -> int           # tokens processed in `batch` (for tokens/s)
         def evaluate(self, model) -> dict[str, float]
             # over the whole validation split, model in eval mode and no_grad; must contain

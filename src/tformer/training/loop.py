@@ -1,6 +1,7 @@
 """The training loop: `fit(task, cfg)` builds (or restores) the model and optimizer, then steps, logs, validates
-and saves until a stop condition; it writes through tformer.training.rundir, averages weights with training.ema and
-watches for NaN/inf with training.guard. The Task protocol and options: training.config; a run from options: session."""
+and saves until a stop condition; it writes through tformer.training.rundir, averages weights with training.ema,
+watches for NaN/inf with training.guard and logs the loss and the task's own metrics through training.steplog. The
+Task protocol and options: training.config; a run from options: session."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from .guard import NonFiniteError, NumericGuard, stopped
 from .lora import model_to_train
 from .optim import load_optimizer_tensors, lr_at, make_optimizer, optimizer_tensors, progress_of
 from .rundir import FitResult, RunDir, TrainState, read_trainer_state
+from .steplog import StepLog, loss_and_metrics, postfix
 
 
 class Trainer:
@@ -47,7 +48,7 @@ class Trainer:
         self.state = TrainState()
         self.plain: nn.Module | None = None   # the model itself (what is saved)
         self.model: nn.Module | None = None   # ... as trained: DDP- or FSDP-wrapped under torchrun
-        self.train_loss = None             # task.loss of self.model; with --compile, compiled together
+        self.train_loss = None             # batch -> (loss, task metrics) on self.model; compiled with --compile
         self.ema: EMA | None = None
         self.guard: NumericGuard | None = None
         self.opt: torch.optim.Optimizer | None = None
@@ -85,7 +86,7 @@ class Trainer:
         # the loss is compiled with the model: the softmax over the vocabulary and its gradient fuse
         # into a few passes instead of several tensors of (tokens x vocabulary) (BENCHMARKS.md, "torch.compile")
         compiling = cfg.compile and not no_compiler
-        self.train_loss = partial(self.task.loss, self.model)
+        self.train_loss = loss_and_metrics(self.task, self.model)
         self.train_loss = torch.compile(self.train_loss) if compiling else self.train_loss
         self.varying = varying_dims([self.task.batch(s, "train") for s in range(4)]) if compiling else {}
 
@@ -180,27 +181,31 @@ class Trainer:
             return "stop_at"
         return None
 
-    def _step(self, step: int, batch: dict[str, Tensor]) -> float | None:
-        """One optimizer step on the global `batch`: the mean loss, or None when the guard skipped it."""
+    def _step(self, step: int, batch: dict[str, Tensor]) -> tuple[float, dict[str, float]] | None:
+        """One optimizer step on the global `batch`: the mean loss and task metrics over its micro-batches,
+        or None when the guard skipped it."""
         torch.manual_seed((self.cfg.seed * 1_000_003 + step) * 131 + self.dist.rank)  # dropout = f(seed, step, rank)
         micros = micro_batches(batch, self.dist.rank, self.dist.world, self.cfg.grad_accum)
-        loss_sum = 0.0
+        loss_sum, metrics = 0.0, {}
         for i, micro in enumerate(micros):
             with grad_sync(self.model, self.dist, self.cfg.fsdp, last=i == len(micros) - 1):
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     micro = {k: v.to(self.device, non_blocking=True) for k, v in micro.items()}
                     for k in self.varying.keys() & micro.keys():
                         torch._dynamo.maybe_mark_dynamic(micro[k], self.varying[k])
-                    loss = self.train_loss(micro) / len(micros)
+                    loss, extra = self.train_loss(micro)
+                    loss = loss / len(micros)
                 loss.backward()
             loss_sum += loss.item()
+            for name, value in extra.items():
+                metrics[name] = metrics.get(name, 0.0) + float(value) / len(micros)
         healthy = self.guard.healthy(loss_sum, self.guard.grad_norm(), step + 1)
         if healthy:
             self.opt.step()
             if self.ema is not None:
                 self.ema.update(step)
         self.opt.zero_grad(set_to_none=True)
-        return loss_sum if healthy else None
+        return (loss_sum, metrics) if healthy else None
 
     def run(self, resume: str | None = None) -> FitResult:
         try:
@@ -224,7 +229,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=state.step, unit="step", file=sys.stderr, dynamic_ncols=True,
                    disable=not (cfg.progress and self.dist.main), desc="train")
         start = time.perf_counter() - state.elapsed
-        train_time, tokens_since, losses, last_eval, last_save = 0.0, 0, [], None, None
+        window, last_eval, last_save = StepLog(self.dist, self.device), None, None
         try:
             while (reason := self._done()) is None:
                 step = state.step
@@ -233,11 +238,7 @@ class Trainer:
                     g["lr"] = lr
                 t_step = time.perf_counter()
                 batch = task.batch(step, "train")
-                loss = self._step(step, batch)
-                if loss is not None:
-                    losses.append(loss)
-                train_time += time.perf_counter() - t_step
-                tokens_since += task.tokens(batch)
+                window.add(self._step(step, batch), task.tokens(batch), time.perf_counter() - t_step)
                 state.step = step = step + 1
                 state.tokens += task.tokens(batch)
                 state.elapsed, stop = self.dist.max([time.perf_counter() - start, float(self.stop_requested)],
@@ -247,14 +248,10 @@ class Trainer:
                     state.warm_elapsed = state.elapsed
                 record = None
                 if step % cfg.log_every == 0 or self._done():
-                    mean_loss = sum(losses) / len(losses) if losses else math.nan  # nan: every step skipped
-                    record = {"step": step, "train_loss": self.dist.mean(mean_loss, self.device),
-                              "lr": lr, "tokens_per_s": tokens_since / max(train_time, 1e-9),
-                              "elapsed": round(state.elapsed, 3)}
-                    bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    record = window.record(step, lr, state.elapsed)
+                    bar.set_postfix(postfix(record))
                     if cfg.max_steps is None and cfg.time_budget:  # ETA from the clock: estimate the total steps
                         bar.total = max(step, int(step * cfg.time_budget / max(state.elapsed, 1e-9)))
-                    train_time, tokens_since, losses = 0.0, 0, []
                 if step % cfg.eval_every == 0 or self._done() not in (None, "interrupted", "stop_at"):
                     record = (record or {"step": step}) | self._evaluate()
                     last_eval = step

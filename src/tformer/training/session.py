@@ -94,9 +94,11 @@ def prepare(task: str | None = None, *, resume: str | os.PathLike | None = None,
     if resume:
         options, resume = resumed_options(resume, options)
     name = options.get("task") or "lm"
-    options.update(run_defaults(options, name))
     cls = task_class(name)
     values, chosen = resolve_options(cls, options)
+    filled = run_defaults(values, name)        # after the recipe: its max_steps is a budget too
+    values.update(filled)
+    options.update(filled)
     cfg = pick(TrainConfig, values)
     cfg.check()
     tokenizers = {}
@@ -106,6 +108,9 @@ def prepare(task: str | None = None, *, resume: str | os.PathLike | None = None,
         source = load_source_tokenizer(resume)
         if source is not None:  # only a translator with separate vocabularies has one
             tokenizers["source_tokenizer"] = source
+    if values.get("init") and not resume:   # a LoRA --init starts from base + adapter merged: not on int8
+        from ..checkpoints.adapter import refuse_int8_init
+        refuse_int8_init(values["init"])
     built = cls(pick(cls.Options, values), **tokenizers, init=None if resume else values.get("init"))
     from ..inference.limits import check_task
     check_task(built, cfg)  # a batch that cannot fit in memory: an error now, not an OOM kill later
