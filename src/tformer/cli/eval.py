@@ -6,6 +6,7 @@
     tformer eval --model runs/ner                     # held-out sentences: loss, entity precision/recall/F1
     tformer eval --model runs/assistant               # --task sft: the loss over the trained (assistant) tokens
     tformer eval --model runs/preferred               # --task dpo: preference accuracy, mean rewards and margin
+    tformer eval --model runs/prefer --data tformer-instruct   # an assistant on tformer-instruct's test split
 
 Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
 fraction, seed), so the scores are on data the model never trained on. With --data: a text file
@@ -28,6 +29,7 @@ from tformer.cli.args import positive_int
 
 # The task that trains each kind of model, and so says how its held-out split was built.
 TASK_OF_KIND = {"decoder": "lm", "classifier": "classify", "tagger": "tag", "encoder-decoder": "translate"}
+INSTRUCT = "tformer-instruct"   # --data: an assistant's figures on its test split (tformer.evaluation.instruct)
 # Decoders fine-tuned on chat data: the task the checkpoint records (meta "task") says how to score them.
 CHAT_TASKS = ("sft", "dpo")
 
@@ -66,7 +68,10 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
     name = meta["task"] if model.kind == "decoder" and meta.get("task") in CHAT_TASKS else TASK_OF_KIND[model.kind]
-    result, extra = scorers[name](model, tokenizer, meta, args, task_class(name))
+    if args.data == INSTRUCT and model.kind == "decoder":
+        result, extra = eval_instruct(model, tokenizer, args)
+    else:
+        result, extra = scorers[name](model, tokenizer, meta, args, task_class(name))
     if args.json:
         print(json.dumps(result))
     else:
@@ -191,3 +196,20 @@ def eval_dpo(model, tokenizer, meta, args, task):
     s = score_pairs(model, frozen, rendered, pad_id, float(meta["dpo_beta"]))
     return {"val_loss": s["val_loss"], "accuracy": s["val_accuracy"],
             **{k: s[f"val_{k}"] for k in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}, ""
+
+
+def eval_instruct(model, tokenizer, args):
+    """tformer-instruct's test split: replies generated and scored (routing, numbers, sentiment), and the
+    reference reply's log-probability against the wrong one's; per task below the headline figures."""
+    from tformer.data import instruct
+    from tformer.evaluation.instruct import score
+
+    items = _limit(instruct.items("test"), args.limit)
+    figures = score(model, tokenizer, _chat_renderer(args.model, tokenizer).template, items)
+    headline = ("routing", "numbers_exact_match", "sentiment_accuracy", "preference_accuracy")
+    tasks = sorted({item.task for item in items})
+    rows = [f"{'task':<10} {'items':>5} {'routing':>8} {'exact':>6} {'preference':>10}"]
+    rows += [f"{t:<10} {sum(i.task == t for i in items):>5} {figures[f'routing/{t}']:>8.3f} "
+             f"{figures[f'exact/{t}']:>6.3f} {figures[f'preference/{t}']:>10.3f}" for t in tasks]
+    return ({k: figures[k] for k in headline if k in figures},
+            f"tformer-instruct, test split ({len(items)} items, never trained on):\n" + "\n".join(rows))
