@@ -147,3 +147,23 @@ def test_batched_replies_equal_replies_one_at_a_time(chat_model):
     figures = scorer.score(model, tok, template, items)
     assert figures["routing"] == sum(instruct.fits(i.task, r) for i, r in zip(items, batched)) / len(items)
     assert 0.0 <= figures["preference_accuracy"] <= 1.0 and "numbers_exact_match" in figures
+
+
+def test_tformer_eval_reports_the_test_split_figures(chat_model, tmp_path, capsys):
+    import json
+
+    import tformer
+    from tformer.cli import main
+
+    model, tok, template, _ = chat_model
+    tformer.save(model, tmp_path / "assistant", tokenizer=tok)
+    (tmp_path / "assistant" / "chat_template.jinja").write_text(DEFAULT_TEMPLATE)
+    (tmp_path / "assistant" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
+                                                                               "eos_token": "<eos>"}))
+    assert main(["eval", "--model", str(tmp_path / "assistant"), "--data", "tformer-instruct", "--limit", "24",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    loaded = tformer.load(tmp_path / "assistant")
+    direct = scorer.score(loaded, tok, template, instruct.items("test")[:24])
+    assert printed == {k: direct[k] for k in printed}
+    assert set(printed) >= {"routing", "preference_accuracy"}
