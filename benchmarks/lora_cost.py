@@ -93,15 +93,7 @@ def build(arm: str, hf_dir: str):
 
         quantize_int8(model)
     if arm in ("lora", "int8"):
-        from tformer.model.lora import lora_layers
-
         apply_lora(model, r=R, alpha=ALPHA, targets=("qkv",))
-        # Work-around: LoRALinear.forward adds a full-width adapter ("qkv") in place into the base's output,
-        # which autograd refuses ("a leaf Variable that requires grad ...") where that output needs no grad:
-        # the first layer, whose input comes from the frozen embeddings. Its input is made to need a grad
-        # (one extra (512 x 2304) x (2304 x 768) product in backward, under 1% of a step).
-        first = next(iter(lora_layers(model).values()))
-        first.register_forward_pre_hook(lambda _, args: (args[0].detach().requires_grad_(),))
     return model.train(), lambda m, x: m(x)
 
 

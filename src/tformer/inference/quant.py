@@ -44,9 +44,9 @@ and rounding each input of row m by at most r_m·a / 2, so
 
     model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
 
-Embedding tables stay as they are: a lookup reads one row per token, not the whole table. The
-rest of the model keeps its dtype; with int8 activations fp32 is the fast choice on a CPU
-(the kernel takes and returns fp32; bf16 inputs are converted there and back).
+Embedding tables stay as they are: a lookup reads one row per token, not the whole table. With
+int8 activations on a CPU the rest of the model is converted to fp32, the dtype the kernels take
+and return, whatever the model's dtype was (quantize_int8); with weight-only int8 it keeps its dtype.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from ..errors import ConfigError
 from ..kernels import gemv
 from ..model.linear import Plan
 from ..model.lora import LoRALinear, refuse_adapters
+from ..model.lora_adapter import lora_product
 
 ACTIVATIONS = ("int8", "float")
 # Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
@@ -73,6 +74,10 @@ INT8_MAX_ROWS = 256
 # the product where it is built (Gemv8): FBGEMM's call costs more per product in the PyTorch ops around
 # it (each row's range), and the kernel's integer products are as fast (BENCHMARKS.md, "Kernels").
 KERNEL_ROWS = 64
+# Training through a frozen int8 layer dequantises its weight this many values at a time (8 MB in fp32),
+# forward and backward, and keeps none of it: the whole fp32 weight, kept for the backward, cost more
+# memory than the fp32 model itself (BENCHMARKS.md, "LoRA: memory, step time and adapter size").
+CHUNK = 1 << 21
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -141,6 +146,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:      # training through the frozen layer (LoRA below it)
+            return lora_product(x, self, ())
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                     # (M, K)
         rows = x2.size(0)
@@ -167,6 +174,29 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y.add_(self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantised(self, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        """Rows [start, stop) of W as s_n·q_nk, (stop - start, K) in `dtype`."""
+        return self.weight[start:stop].to(dtype) * self.scales[start:stop].to(dtype)[:, None]
+
+    def chunks(self) -> range:
+        return range(0, self.out_features, max(1, CHUNK // self.in_features))
+
+    def base_product(self, x: Tensor) -> Tensor:
+        """x (M, K) -> (M, N) = Σ_k x_k (s_n q_nk) + b, weight-only (lora_adapter.lora_product's forward in
+        training), a block of output features at a time into one output: no fp32 copy of W."""
+        y = x.new_empty(x.size(0), self.out_features)
+        step = self.chunks().step
+        for n in self.chunks():
+            torch.mm(x, self.dequantised(n, n + step, x.dtype).t(), out=y[:, n:n + step])
+        return y if self.bias is None else y.add_(self.bias.to(x.dtype))
+
+    def base_grad(self, g: Tensor) -> Tensor:
+        """dL/dx = g W (M, N) -> (M, K), from the int8 weight a block at a time."""
+        gx, step = g.new_zeros(g.size(0), self.in_features), self.chunks().step
+        for n in self.chunks():
+            gx.addmm_(g[:, n:n + step], self.dequantised(n, n + step, g.dtype))
+        return gx
 
     def _integer_path(self, x: Tensor) -> bool:
         return (self.activations == "int8" and x.device.type == "cpu" and x.is_floating_point()
@@ -210,6 +240,8 @@ class Int8LoRALinear(LoRALinear):
     bias = property(lambda self: self.base.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():              # training: the base's weight-only product, no fp32 W kept
+            return lora_product(x, self.base, list(self.lora.values()))
         y = self.base(x)
         for adapter in self.lora.values():
             y = adapter.add_to(y, x)
@@ -229,12 +261,22 @@ class Int8LoRALinear(LoRALinear):
 def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8") -> nn.Module:
     """Replace every nn.Linear in `model` (in place) by an Int8Linear, except those whose qualified
     name starts with one of `skip`. Returns the model. For inference only: Int8Linear has no
-    trainable parameters."""
+    trainable parameters.
+
+    With int8 activations on a CPU the model comes out in fp32 whatever its dtype was: each linear is
+    converted to fp32 before it is quantised (scales and biases in fp32; a bf16 or fp16 weight is exact
+    there), and the rest (embeddings, norms, skipped linears) after. The int8 kernels take and return
+    fp32, and the fused GPT step and the attention kernel read fp32 norms, biases and caches: a bf16
+    model kept in bf16 around its int8 layers would decode on none of them. A bf16 model thus gives the
+    very model its fp32 copy gives."""
     refuse_adapters(model, "quantise", merged_ok=True)    # Int8Linear would keep W and drop the adapters
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(name.startswith(s) for s in skip)]
+    in_fp32 = activations == "int8" and all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if in_fp32:
+            linear.float()                 # one layer at a time: the model is never held twice in fp32
         setattr(parent, child, Int8Linear(linear, activations))
-    return model
+    return model.float() if in_fp32 else model

@@ -23,7 +23,9 @@ Targets (TARGETS): q, k, v, qkv, o (out_proj; self- and cross-attention), gate, 
     remove_lora(model)                                     # plain Linear layers again, W as it is now
 
 A targeted Linear becomes a LoRALinear holding the same weight and bias Parameters (tied weights stay
-tied, the base's state-dict names do not change); its adapters add `<layer>.lora.<target>.a` / `.b`.
+tied, the base's state-dict names do not change); its adapters (lora_adapter.Adapter) add
+`<layer>.lora.<target>.a` / `.b`. With gradients on, a LoRALinear computes through one autograd Function
+(lora_adapter.lora_product) that keeps only what the adapters' gradients need.
 
 Decoding plans: an unmerged layer keeps its plan aside (`base_plan`, `plan` None: the fused GPT step and the
 argmax screen, which read `plan`, cannot skip an adapter); merging changes W, so generate() plans again.
@@ -31,7 +33,6 @@ argmax screen, which read `plan`, cannot skip an adapter); merging changes W, so
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -42,41 +43,11 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError
 from .attention import MultiHeadAttention
-from .dropout import Dropout
 from .layers import FeedForward
 from .linear import Linear, Plan
+from .lora_adapter import Adapter, lora_product
 
 TARGETS = ("q", "k", "v", "qkv", "o", "gate", "up", "down", "lm_head", "head")
-
-
-class Adapter(nn.Module):
-    """One low-rank update s·B A, written into rows [start, stop) of its layer's output."""
-
-    def __init__(self, in_features: int, start: int, stop: int, r: int, alpha: float, dropout: float = 0.0,
-                 rslora: bool = False, device=None, dtype=None):
-        super().__init__()
-        self.start, self.stop, self.r, self.alpha, self.rslora = start, stop, r, alpha, rslora
-        self.scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        self.a = nn.Parameter(torch.empty(r, in_features, device=device, dtype=dtype))
-        self.b = nn.Parameter(torch.zeros(stop - start, r, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(..., in) -> (..., stop - start): this adapter's share of the layer's output."""
-        return F.linear(F.linear(self.dropout(x), self.a), self.b) * self.scaling
-
-    def delta(self) -> Tensor:
-        """(stop - start, in): what merging adds to those rows of W."""
-        return (self.b @ self.a) * self.scaling
-
-    def add_to(self, y: Tensor, x: Tensor) -> Tensor:
-        """y (..., out) plus this adapter in its rows; out of place where y tracks no gradient (frozen base)."""
-        d = self(x)
-        if d.requires_grad and not y.requires_grad:
-            return y + F.pad(d, (self.start, y.size(-1) - self.stop))
-        y[..., self.start:self.stop] += d
-        return y
 
 
 class LoRALinear(Linear):
@@ -92,11 +63,20 @@ class LoRALinear(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.merged or not self.lora:
             return super().forward(x)
+        if torch.is_grad_enabled():           # training: one autograd Function, which keeps only what gradients need
+            base = [p for p in (self.weight, self.bias) if p is not None]
+            return lora_product(x, self, list(self.lora.values()), base if any(p.requires_grad for p in base) else ())
         plan, w = self.base_plan, self.weight
         y = plan(x, self.bias) if plan is not None and plan.usable(x, w) else F.linear(x, w, self.bias)
         for adapter in self.lora.values():
             y = adapter.add_to(y, x)
         return y
+
+    def base_product(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)        # (M, K) -> (M, N), for lora_product
+
+    def base_grad(self, g: Tensor) -> Tensor:
+        return g.mm(self.weight.to(g.dtype))               # dL/dx = g W (M, K); g is bf16 under autocast
 
     def make_plan(self, rows: int, pack: bool = True) -> Plan | None:
         if self.merged or not self.lora:
