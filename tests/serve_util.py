@@ -27,10 +27,10 @@ def char_tokenizer() -> Tokenizer:
     return Tokenizer.char(ALPHABET)
 
 
-def save_tiny(path, kind: str = "decoder", seed: int = 0, **kw):
-    """A random model of `kind` with a char tokenizer, saved with tformer.save. No EOS by default,
-    so generation runs to max_tokens; an untied output layer so the text is not one letter repeated."""
-    tok = char_tokenizer()
+def save_tiny(path, kind: str = "decoder", seed: int = 0, tokenizer: Tokenizer | None = None, **kw):
+    """A random model of `kind` with a char tokenizer (or `tokenizer`), saved with tformer.save. No EOS by
+    default, so generation runs to max_tokens; an untied output layer so the text is not one letter repeated."""
+    tok = tokenizer or char_tokenizer()
     torch.manual_seed(seed)
     base = dict(kind="encoder-decoder" if kind == "encoder-decoder" else "encoder" if kind in ("encoder", "classifier")
                 else "decoder", vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64,

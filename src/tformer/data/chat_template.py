@@ -48,15 +48,16 @@ class ChatTemplate:
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The text of `messages` ([{"role", "content"}, ...]); with add_generation_prompt, ending where the
-        assistant's reply starts. Raises ValueError when the template refuses the conversation (e.g. roles
-        out of order)."""
+        assistant's reply starts; `tools` (OpenAI's function definitions) for templates that describe them,
+        as transformers passes them. Raises ValueError when the template refuses the conversation (e.g.
+        roles out of order)."""
         from jinja2.exceptions import TemplateError
 
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except (TemplateError, TypeError) as e:
             raise ValueError(f"the model's chat template refused the messages: {e}") from None
 

@@ -7,7 +7,9 @@ Generation turns the logits at the last position into a distribution and picks a
                                                     \-> argmax (greedy)
 
 The bias and the penalties act on greedy choices too (as OpenAI's API has them); the warpers from
-the temperature on act only when sampling.
+the temperature on act only when sampling. A grammar's token mask (structured outputs: the server's
+response_format) comes before all of them: `apply_token_mask` sets the tokens the grammar forbids to
+-inf, so nothing after it can bring them back.
 
 Each filter sets the logits of removed tokens to -inf, so softmax gives them probability 0.
 Semantics (ties, "at least one token survives") equal Hugging Face's warpers of the same names;
@@ -52,6 +54,20 @@ def logit_bias_tensor(bias: dict[int, float], vocab_size: int, device=None) -> T
             raise ValueError(f"logit_bias names token ids outside 0..{vocab_size - 1}")
         out[0, ids] = torch.tensor(list(bias.values()), device=device)
     return out
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """A grammar library's packed token mask -> bool. bitmask (..., ceil(V / 32)) int32, bit j of word w
+    set when token 32 w + j is allowed (the layout xgrammar and llguidance fill) -> (..., V) bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1                               # (..., W, 32)
+    return allowed.flatten(-2)[..., :vocab_size].bool()
+
+
+def apply_token_mask(logits: Tensor, allowed: Tensor) -> Tensor:
+    """Keep only the allowed tokens: logits (B, V), allowed (B, V) or (1, V) bool -> the others -inf.
+    (torch.where: no negated copy of the mask, as masked_fill(~allowed) would make.)"""
+    return torch.where(allowed, logits, NEG_INF)
 
 
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:

@@ -25,6 +25,7 @@ from .responses import ChatFormat, CompletionFormat
 from .schemas import MAX_INPUTS, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest
 from .served import Served
 from .state import GENERATES, Options, State
+from .structured import Tools, compile_grammar, wanted_schema
 
 __all__ = ["create_app", "Options"]
 
@@ -82,7 +83,9 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
         ids = [served.prompt_ids(p) for p in prompts]
         for p in ids:
             served.check_budget(len(p), body.max_tokens)
-        job = start_job(state, body, ids, body.max_tokens, body.logprobs, echo_logprobs)
+        constrained, schema = wanted_schema(body.response_format)
+        grammar = await compile_grammar(state.grammars, schema) if constrained else None
+        job = start_job(state, body, ids, body.max_tokens, body.logprobs, echo_logprobs, grammar)
         echo = prompts if body.echo else [""] * len(prompts)
         fmt = CompletionFormat(served.name, body.n, echo, sum(map(len, ids)), echo_logprobs)
         return await respond(job, fmt, body, request)
@@ -90,16 +93,17 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         state.require(body.model, GENERATES, "/v1/chat/completions")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet (structured "
-                                "outputs are planned); only {\"type\": \"text\"} is", param="response_format",
-                           code="unsupported_value")
-        ids = served.chat_ids([{"role": m.role, "content": m.text()} for m in body.messages])
+        tools = Tools(body, served.chat.source if served.chat is not None else None)
+        ids = served.chat_ids([m.for_template() for m in body.messages], tools.for_template)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, served.context - len(ids))
         served.check_budget(len(ids), max_tokens)
+        constrained, schema = (True, tools.schema()) if tools.forced else wanted_schema(body.response_format)
+        grammar = (await compile_grammar(state.grammars, schema, "tools" if tools.forced else "response_format")
+                   if constrained else None)
+        calls = tools if tools.forced or not constrained else None     # a requested JSON answer is not a call
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = start_job(state, body, [ids], max_tokens, top)
-        return await respond(job, ChatFormat(served.name, len(ids)), body, request)
+        job = start_job(state, body, [ids], max_tokens, top, grammar=grammar)
+        return await respond(job, ChatFormat(served.name, len(ids), calls), body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):

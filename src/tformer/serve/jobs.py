@@ -64,8 +64,9 @@ class Job:
 
 
 def start_job(state: State, body: Sampled, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
-              prompt_logprobs: bool = False) -> Job:
-    """One sequence per prompt and choice (choice k of a seeded request uses seed + k)."""
+              prompt_logprobs: bool = False, grammar=None) -> Job:
+    """One sequence per prompt and choice (choice k of a seeded request uses seed + k); `grammar` (a
+    grammar.Compiled) constrains each of them (each has its own matcher)."""
     served, args = state.served, []
     bias = body.token_bias(served.model.cfg.vocab_size)
     for p, prompt in enumerate(prompts):
@@ -73,7 +74,7 @@ def start_job(state: State, body: Sampled, prompts: list[list[int]], max_tokens:
             s = Sampling(max_tokens, body.temperature, body.top_p, body.top_k or None, body.min_p,
                          body.repetition_penalty, None if body.seed is None else (body.seed + k) % 2**63,
                          body.stops(), logprobs, body.frequency_penalty, body.presence_penalty, bias,
-                         prompt_logprobs)
+                         prompt_logprobs, grammar)
             source = prompt if served.model.is_encoder_decoder else None
             args.append((p * body.n + k, [served.start] if source else prompt, s, source))
     if served.model.is_encoder_decoder and served.start is None:
@@ -133,7 +134,9 @@ async def sse(job: Job, fmt, include_usage: bool):
             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
             break
         if event.text or event.tokens or event.prompt or event.finish_reason:
-            yield f"data: {json.dumps(fmt.chunk(event))}\n\n"
+            chunk = fmt.chunk(event)          # None: held back (a text that may still become a tool call)
+            if chunk is not None:
+                yield f"data: {json.dumps(chunk)}\n\n"
     if include_usage:
         yield f"data: {json.dumps(fmt.usage_chunk(sum(len(s.generated) for s in job.seqs)))}\n\n"
     yield "data: [DONE]\n\n"

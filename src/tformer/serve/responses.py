@@ -62,12 +62,17 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """Bodies of /v1/chat/completions: messages and deltas from the assistant."""
+    """Bodies of /v1/chat/completions: messages and deltas from the assistant. With `tools` that can be
+    called (structured.Tools), an answer that is a call comes back as tool_calls; streamed, such an
+    answer is held back until it is complete and sent as one delta."""
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, tools=None):
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.model, self.prompt_tokens = model, prompt_tokens
+        self.tools = tools if tools is not None and tools.reads_calls else None
         self.started: set[int] = set()
+        self.held: dict[int, tuple[str, list]] = {}     # choice -> (text, tokens) not yet sent
+        self.released: set[int] = set()                 # choices known to be plain text
 
     def _body(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -82,22 +87,43 @@ class ChatFormat:
         return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [entry(a, lp) for a, lp in t.top]}
                             for t in tokens]}
 
+    def _calls(self, text: str, reason: str | None) -> list[dict] | None:
+        return self.tools.calls(text) if self.tools is not None and reason == "stop" else None
+
     def first_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, event: Event) -> dict:
-        delta = {"content": event.text} if event.text else {}
+    def chunk(self, event: Event) -> dict | None:
+        """The chunk of `event`; None while a choice's text is held back (it may still become a call)."""
+        text, tokens, reason = event.text, event.tokens, event.finish_reason
+        if self.tools is not None and event.index not in self.released:
+            held_text, held_tokens = self.held.pop(event.index, ("", []))
+            text, tokens = held_text + text, held_tokens + tokens
+            if reason is None and self.tools.may_be_call(text):
+                self.held[event.index] = (text, tokens)
+                return None
+            self.released.add(event.index)
+        delta = {"content": text} if text else {}
+        calls = self._calls(text, reason)
+        if calls is not None:
+            delta = {"content": None, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+            reason = "tool_calls"
         if event.index not in self.started:
             self.started.add(event.index)
-            delta = {"role": "assistant", **delta, "content": event.text}
-        return self._body([{"index": event.index, "delta": delta, "logprobs": self._logprobs(event.tokens),
-                            "finish_reason": event.finish_reason}])
+            delta = {"role": "assistant", "content": text, **delta}
+        return self._body([{"index": event.index, "delta": delta, "logprobs": self._logprobs(tokens),
+                            "finish_reason": reason}])
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         return {**self._body([]), "usage": usage(self.prompt_tokens, completion_tokens)}
 
+    def _choice(self, i: int, text: str, tokens, reason: str | None) -> dict:
+        calls = self._calls(text, reason)
+        message = ({"role": "assistant", "content": text} if calls is None else
+                   {"role": "assistant", "content": None, "tool_calls": calls})
+        return {"index": i, "message": message, "logprobs": self._logprobs(tokens),
+                "finish_reason": reason if calls is None else "tool_calls"}
+
     def response(self, choices, completion_tokens: int) -> dict:
-        return {**self._body([{"index": i, "message": {"role": "assistant", "content": text},
-                               "logprobs": self._logprobs(tokens), "finish_reason": reason}
-                              for i, text, tokens, reason in choices], "chat.completion"),
+        return {**self._body([self._choice(*c) for c in choices], "chat.completion"),
                 "usage": usage(self.prompt_tokens, completion_tokens)}

@@ -15,6 +15,7 @@ MAX_N = 16                  # choices per prompt
 MAX_INPUTS = 256            # prompts, texts or messages per request
 MAX_STOPS = 4               # stop strings (OpenAI's limit)
 MAX_BIAS = 300              # logit_bias entries (OpenAI's limit)
+MAX_TOOLS = 128             # functions per request (OpenAI's limit)
 
 Stop = Union[str, list[str], None]
 
@@ -25,6 +26,18 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+
+
+class JsonSchema(Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema (none: any JSON object)")
+    strict: bool | None = None      # the answer follows the schema either way (a grammar constrains it)
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class Sampled(Body):
@@ -50,6 +63,9 @@ class Sampled(Body):
                                     description="minus this from the logit of every token generated so far")
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_BIAS,
                                                 description='{"token id": bias in -100..100} added to the logits')
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: the answer is constrained by a grammar')
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,21 +102,49 @@ class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None        # an assistant's earlier calls, for the chat template
+    tool_call_id: str | None = None             # a tool's answer: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: role, content (text) and the tool fields given."""
+        extra = {k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls),
+                                   ("tool_call_id", self.tool_call_id)) if v is not None}
+        return {"role": self.role, "content": self.text(), **extra}
 
-class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+
+class Function(Body):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments (none: no arguments)")
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(Sampled):
     messages: list[Message] = Field(..., min_length=1, max_length=MAX_INPUTS)
-    response_format: ResponseFormat | None = Field(None, description="only {\"type\": \"text\"} so far")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="functions the model may call")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description='"none", "auto" (default with tools), "required" or {"type": "function", "function": '
+                          '{"name": ...}}: required and named calls are constrained by a grammar')
+    parallel_tool_calls: bool | None = None     # accepted; a choice makes at most one call
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

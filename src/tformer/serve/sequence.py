@@ -1,6 +1,8 @@
 """One choice being generated (a Sequence), its settings (Sampling) and what it sends its request
 (Events): the per-row half of the scheduler. Each row processes its own logits with its own
-settings and its own torch.Generator, so rows with different settings share a batch."""
+settings and its own torch.Generator (and, for structured outputs, its own grammar matcher: the
+token mask of the row's grammar, advanced by each token it takes), so rows with different settings
+share a batch."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..generation import TextStream, process_logits
-from ..generation.processors import logit_bias_tensor
+from ..generation.processors import apply_token_mask, logit_bias_tensor
 from ..generation.sampling import choose, make_generator
 from ..generation.settings import OPENAI_DEFAULTS as OPENAI
 
@@ -34,6 +36,7 @@ class Sampling:
     presence_penalty: float = 0.0      # OpenAI's: minus this once a token has been generated
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     prompt_logprobs: bool = False      # echo + logprobs: report the prompt's tokens too (the first: None)
+    grammar: object | None = None      # structured outputs: a grammar.Compiled the text must follow
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Sequence:
         self.counts: Tensor | None = None   # (1, V) generated tokens counted, for frequency / presence
         self.bias: Tensor | None = None     # (1, V) logit_bias
         self.prompt_tokens: list[Token] | None = None     # the prompt's logprobs, while prefilling
+        self.matcher = sampling.grammar.matcher() if sampling.grammar is not None else None   # this row's place
         self.generated: list[int] = []
         self.cancelled = self.done = False
         self.cache = self.memory = None     # while prefilling: its own batch-1 cache (and encoder output)
@@ -102,12 +106,17 @@ class Sequence:
                               presence_penalty=s.presence_penalty)
 
     def choose(self, logits: Tensor) -> int:
-        """logits (V,) of the next token -> the token, by this sequence's settings and generator."""
+        """logits (V,) of the next token -> the token, by this sequence's settings and generator; with a
+        grammar, only among the tokens it allows (the rest -inf before any other processing)."""
         logits = logits[None].float()                                             # (1, V)
+        if self.matcher is not None:
+            logits = apply_token_mask(logits, self.matcher.allowed(logits.device)[None])
         processed = self.process(logits)
         # generate()'s choice and guard: extreme settings (temperature 1e-300, penalty 1e-300) overflow
         # to inf, whose limit (the largest logits) is taken; a NaN is never drawn (generation.sampling)
         token = int(choose(processed, self.s.temperature > 0, self.generator, raw=logits)[0])
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if self.seen is not None:
             self.seen[0, token] = True
         if self.counts is not None:
@@ -126,7 +135,11 @@ class Sequence:
                                                  self.s.logprobs or 0))
 
     def push(self, token: int, logits: Tensor, metrics) -> bool:
-        """Record the new token, send its text; True when the sequence is finished."""
+        """Record the new token, send its text; True when the sequence is finished (an EOS, a stop string,
+        max_tokens, or its grammar complete)."""
+        if self.matcher is not None and self.matcher.failed:     # no token of the vocabulary fits the grammar
+            self.fail("the grammar allows no token of this model's vocabulary here")
+            return True
         now = time.perf_counter()
         if metrics is not None:
             (metrics.ttft if not self.generated else metrics.itl).observe(
@@ -143,6 +156,9 @@ class Sequence:
         else:
             event.text = self.text.push([token])
             if self.text.stopped:
+                event.finish_reason = "stop"
+            elif self.matcher is not None and self.matcher.finished:   # its stop token (not the model's EOS)
+                event.text += self.text.finish()
                 event.finish_reason = "stop"
             elif len(self.generated) >= self.s.max_tokens:
                 event.text += self.text.finish()

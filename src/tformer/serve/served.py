@@ -86,11 +86,11 @@ class Served:
                              param)
         return ids
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self.chat is None:
             raise InputError(f"the model {self.name!r} has no chat template (use /v1/completions)", "messages")
         try:
-            text = self.chat.render(messages)
+            text = self.chat.render(messages, tools=tools)
         except ValueError as e:               # the template refused the conversation (raise_exception)
             raise InputError(str(e), "messages") from None
         ids = self._special_tokens_reader().encode(text, add_special_tokens=False).ids

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import RETRY_AFTER, ApiError
+from .grammar import Grammars
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .served import Served
@@ -29,6 +30,8 @@ class State:
 
     def __init__(self, served: Served, options: Options):
         self.served, self.options, self.metrics = served, options, Metrics()
+        # structured outputs: grammars over the output tokenizer's vocabulary, stopped by the model's EOS
+        self.grammars = Grammars(served.tokenizer, served.model.cfg.vocab_size, served.eos)
         self.scheduler: Scheduler | None = None
         self.worker: ThreadPoolExecutor | None = None   # encoders: one thread owns the model
         self.pending = 0                                 # encoder requests queued or running

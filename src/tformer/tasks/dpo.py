@@ -38,12 +38,12 @@ from ..data import instruct
 from ..data.chat import Example, Rendered, Renderer, check_messages, json_object, read_jsonl
 from ..data.files import split_rows, step_generator
 from ..data.tokenizers import Tokenizer
-from ..errors import ConfigError, DataError, warn
+from ..errors import ConfigError, DataError
 from ..model.lora import adapters_off, lora_layers
 from ..training.config import TrainOptions
 from ..training.dpo import dpo_loss, sequence_logprobs
 from ..training.options import option, positive_float
-from .sft import SFTTask
+from .sft import SFTTask, fitting
 
 SIDES = ("chosen", "rejected")
 
@@ -130,14 +130,7 @@ def render_pairs(renderer: Renderer, pairs: list[Pair], context: int, source: st
                  split: str) -> list[tuple[Rendered, Rendered]]:
     """Each pair of the file `source` rendered (chosen, rejected), but those with a side longer than `context`
     tokens or with no response token to score: skipped with a warning; DataError if none is left."""
-    rendered = [(renderer(p.chosen), renderer(p.rejected)) for p in pairs]
-    fit = [p for p in rendered if all(len(r.ids) <= context and any(r.trained[1:]) for r in p)]
-    if len(fit) < len(rendered):
-        warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} pairs were skipped: a response longer "
-             f"than --context {context} tokens, or one with no token to score")
-    if not fit:
-        raise DataError(f"{source}: no {split} pair fits --context {context} tokens")
-    return fit
+    return fitting([(renderer(p.chosen), renderer(p.rejected)) for p in pairs], context, source, split, "pair")
 
 
 @contextmanager

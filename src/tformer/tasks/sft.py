@@ -222,15 +222,17 @@ class SFTTask:
                 "seed": self.opts.seed, "packing": self.opts.packing, "train_on_prompt": self.opts.train_on_prompt}
 
 
-def fitting(rendered: list, context: int, source: str, split: str) -> list:
-    """The rendered examples (tformer.data.chat.Rendered) of the file `source` that fit `context` tokens and
-    train a token after the first, the others skipped with a warning; DataError if none is left."""
-    fit = [r for r in rendered if len(r.ids) <= context and any(r.trained[1:])]
+def fitting(rendered: list, context: int, source: str, split: str, noun: str = "example") -> list:
+    """The rendered examples (tformer.data.chat.Rendered, or tuples of them: a DPO pair's sides) of the file
+    `source` that fit `context` tokens and train a token after the first, each side; the others skipped with
+    a warning; DataError if none is left."""
+    fit = [x for x in rendered if all(len(r.ids) <= context and any(r.trained[1:])
+                                      for r in (x if isinstance(x, tuple) else (x,)))]
     if len(fit) < len(rendered):
-        warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} examples were skipped: longer than "
+        warn(f"{len(rendered) - len(fit)} of {len(rendered)} {split} {noun}s were skipped: longer than "
              f"--context {context} tokens, or nothing to train after the first token")
     if not fit:
-        raise DataError(f"{source}: no {split} example fits --context {context} tokens")
+        raise DataError(f"{source}: no {split} {noun} fits --context {context} tokens")
     return fit
 
 
