@@ -7,7 +7,7 @@ CORE    := .venv/.core
 STAMP   := .venv/.installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test lint test-slow test-llama-cpp llama-cpp bench system-deps clean
+.PHONY: demo test lint test-slow test-llama-cpp llama-cpp llama-server bench system-deps clean
 
 # What the demo needs: torch, the core dependencies, matplotlib for the loss plot, the Hamlet text.
 $(CORE): pyproject.toml
@@ -56,6 +56,23 @@ llama-cpp: $(LLAMA_CPP)
 
 test-llama-cpp: $(LLAMA_CPP)
 	$(PY) -m pytest -q tests/test_gguf.py tests/test_gguf_llama_cpp.py
+
+# llama.cpp's own server (llama-server, with --parallel slots) for benchmarks/serve_peers.py: built from the
+# llama.cpp sources inside llama-cpp-python's source package (PyPI), for this CPU; ~10 minutes on 2 cores.
+LLAMA_SERVER := .venv/llama-server/llama-server
+$(LLAMA_SERVER): $(STAMP)
+	rm -rf .venv/llama-server.build && mkdir -p .venv/llama-server.build
+	$(PY) -m pip download -q --no-deps --no-binary :all: "llama-cpp-python>=0.3" -d .venv/llama-server.build
+	tar xzf .venv/llama-server.build/llama_cpp_python-*.tar.gz -C .venv/llama-server.build
+	cd .venv/llama-server.build/llama_cpp_python-*/vendor/llama.cpp && \
+		cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
+			-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >/dev/null && \
+		cmake --build build --target llama-server -j$$(nproc) >/dev/null
+	mkdir -p .venv/llama-server
+	cp .venv/llama-server.build/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server $(LLAMA_SERVER)
+	rm -rf .venv/llama-server.build
+
+llama-server: $(LLAMA_SERVER)
 
 bench: $(STAMP)
 	$(PY) -m tformer.cli bench

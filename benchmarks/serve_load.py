@@ -3,14 +3,19 @@
     .venv/bin/python benchmarks/serve_load.py                       # 16 clients, 64 requests, then one at a time
     .venv/bin/python benchmarks/serve_load.py --soak 600 --soak-only  # 10 minutes at 16 clients: server memory
     .venv/bin/python benchmarks/serve_load.py --device cuda         # the server's model on a GPU
+    .venv/bin/python benchmarks/serve_load.py --min-prompt 50 --max-prompt 1000 --requests 32 --sequential 0
+                                                                    # issue 48's mix: inter-token p50 / p99
 
 A random GPT-2-small-shaped decoder (124M parameters, fp32) with a word-level tokenizer of the
 same vocabulary (every token is one word, so a prompt of N words is N tokens and every generated
 token streams as one chunk) is saved to a temporary directory and served by `tformer serve` in a
 subprocess on 127.0.0.1. 64 requests with prompts of 16-256 tokens (seeded) and 128 new tokens
-(greedy, no EOS) are streamed by 16 concurrent clients, then the same requests one at a time.
-Printed: aggregate generated tokens/s, time to first token and inter-token latency (p50/p99,
-measured by the clients on the stream), errors, and the concurrent/sequential throughput ratio.
+(greedy, no EOS; fewer where the prompt leaves less of the 1,024-token context) are streamed by 16
+concurrent clients, then the same requests one at a time. Printed: aggregate generated tokens/s,
+time to first token and inter-token latency (p50/p99, measured by the clients on the stream),
+errors, the concurrent/sequential throughput ratio, and the server's KV-cache bytes (its
+tformer_kv_cache_bytes gauge, sampled: the running rows' pool, peak and mean, against the fixed
+--max-batch x context reservation of a pool that does not grow).
 `--soak S` then keeps 16 clients busy for S seconds and samples the server's resident memory.
 Everything is bounded: --requests, --time-limit per phase, --soak.
 """
@@ -55,9 +60,9 @@ def build(directory: Path) -> Path:
     return tformer.save(model, directory / "gpt2-small-random", tokenizer=word_tokenizer(cfg.vocab_size))
 
 
-def start_server(path: Path, max_batch: int, device: str | None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tformer", "serve", "--model", str(path), "--port", "0",
-           "--max-batch", str(max_batch), "--max-queue", "1024"] + (["--device", device] if device else [])
+def start_server(path: Path, max_batch: int, device: str | None, extra=()) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "tformer", "serve", "--model", str(path), "--port", "0", "--max-batch",
+           str(max_batch), "--max-queue", "1024", *(["--device", device] if device else []), *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "TFORMER_API_KEY": ""})
     line = proc.stderr.readline()
     match = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
@@ -73,6 +78,7 @@ class Result:
         self.start = self.first = None
         self.times: list[float] = []
         self.tokens = 0
+        self.text = ""
         self.error: str | None = None
 
 
@@ -95,6 +101,7 @@ def one_request(base: str, prompt: str, max_tokens: int) -> Result:
                     res.error = chunk["error"]["message"]
                 elif chunk["choices"]:
                     res.times.append(time.perf_counter())
+                    res.text += chunk["choices"][0]["text"]
                 elif chunk.get("usage"):
                     res.tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
@@ -104,8 +111,10 @@ def one_request(base: str, prompt: str, max_tokens: int) -> Result:
     return res
 
 
-def run_phase(base: str, prompts: list[str], max_tokens: int, clients: int, time_limit: float) -> tuple[list, float]:
-    """`clients` threads take the requests in order; none starts after time_limit seconds."""
+def run_phase(base: str, prompts: list[str], max_tokens: list[int], clients: int,
+              time_limit: float) -> tuple[list, float]:
+    """`clients` threads take the requests in order (prompt i asks for max_tokens[i]); none starts after
+    time_limit seconds."""
     results, lock, queue = [], threading.Lock(), list(enumerate(prompts))
     t0 = time.perf_counter()
 
@@ -114,8 +123,8 @@ def run_phase(base: str, prompts: list[str], max_tokens: int, clients: int, time
             with lock:
                 if not queue:
                     return
-                _, prompt = queue.pop(0)
-            r = one_request(base, prompt, max_tokens)
+                i, prompt = queue.pop(0)
+            r = one_request(base, prompt, max_tokens[i])
             with lock:
                 results.append(r)
 
@@ -152,6 +161,34 @@ def report(name: str, results: list[Result], wall: float) -> float:
     return rate
 
 
+class KVWatch:
+    """Samples the server's tformer_kv_cache_bytes gauge (each part) every 0.2 s while a phase runs."""
+
+    def __init__(self, base: str):
+        self.base, self.samples, self.stop = base, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.wait(0.2):
+            try:
+                text = httpx.get(f"{self.base}/metrics", timeout=10).text
+            except httpx.HTTPError:
+                continue
+            self.samples.append({m.group(1): float(m.group(2)) for m in
+                                 re.finditer(r'^tformer_kv_cache_bytes\{part="(\w+)"\} (\S+)$', text, re.M)})
+
+    def report(self, reservation: float) -> None:
+        running = [s["running"] for s in self.samples if "running" in s]
+        if not running:
+            print("  KV cache: the server reports no tformer_kv_cache_bytes")
+            return
+        peak = max(sum(s.values()) for s in self.samples)
+        print(f"  KV cache, running rows' pool: peak {max(running) / 2**20:.0f} MiB, mean "
+              f"{statistics.mean(running) / 2**20:.0f} MiB = {max(running) / reservation:.1%} / "
+              f"{statistics.mean(running) / reservation:.1%} of the fixed reservation ({reservation / 2**20:.0f} MiB); "
+              f"all parts (+ prefill, prefix cache) peak {peak / 2**20:.0f} MiB")
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -159,7 +196,7 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def soak(base: str, pid: int, prompts: list[str], max_tokens: int, clients: int, seconds: float,
+def soak(base: str, pid: int, prompts: list[str], max_tokens: list[int], clients: int, seconds: float,
          warmup: float) -> None:
     """`clients` clients send requests back to back for `seconds`; the server's RSS is sampled."""
     stop, errors, done, samples = time.perf_counter() + seconds, [], [0], []
@@ -167,7 +204,7 @@ def soak(base: str, pid: int, prompts: list[str], max_tokens: int, clients: int,
     def worker(k: int):
         i = k
         while time.perf_counter() < stop:
-            r = one_request(base, prompts[i % len(prompts)], max_tokens)
+            r = one_request(base, prompts[i % len(prompts)], max_tokens[i % len(prompts)])
             i += clients
             done[0] += 1
             if r.error:
@@ -198,7 +235,10 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=1200, help="seconds per phase before no new request starts")
-    ap.add_argument("--sequential", type=int, default=None, help="requests served one at a time (default: all)")
+    ap.add_argument("--sequential", type=int, default=None, help="requests served one at a time (default: all; "
+                    "0: none)")
+    ap.add_argument("--prefill-tokens", default=None, help="the server's --prefill-tokens (default: its own)")
+    ap.add_argument("--prefix-cache-mb", default=None, help="the server's --prefix-cache-mb (default: its own)")
     ap.add_argument("--soak", type=float, default=0, help="then seconds of continuous load, watching memory")
     ap.add_argument("--warmup", type=float, default=60, help="soak seconds before the memory baseline")
     ap.add_argument("--soak-only", action="store_true", help="skip the concurrent and one-at-a-time phases")
@@ -207,25 +247,35 @@ def main() -> None:
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
-    prompts = [" ".join(f"w{rng.randrange(3, 50257)}" for _ in range(rng.randint(args.min_prompt, args.max_prompt)))
-               for _ in range(args.requests)]
+    lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
+    prompts = [" ".join(f"w{rng.randrange(3, 50257)}" for _ in range(n)) for n in lengths]
+    context = preset("gpt2-small").max_seq_len
+    max_tokens = [min(args.max_tokens, context - n) for n in lengths]
+    flags = (("--prefill-tokens", args.prefill_tokens), ("--prefix-cache-mb", args.prefix_cache_mb))
+    extra = [f for flag, value in flags if value is not None for f in (flag, value)]
     with tempfile.TemporaryDirectory() as tmp:
         path = build(Path(tmp))
-        proc, base = start_server(path, args.max_batch, args.device)
+        proc, base = start_server(path, args.max_batch, args.device, extra)
         try:
             print(f"server: {base}, GPT-2-small shape (random weights, fp32), --max-batch {args.max_batch}, "
                   f"torch threads {os.cpu_count()} cores; prompts {args.min_prompt}-{args.max_prompt} tokens, "
-                  f"{args.max_tokens} new tokens each")
+                  f"up to {args.max_tokens} new tokens each; server flags {' '.join(extra) or '(defaults)'}")
             one_request(base, prompts[0], 4)                                   # warm-up
             if not args.soak_only:
-                results, wall = run_phase(base, prompts, args.max_tokens, args.clients, args.time_limit)
+                watch = KVWatch(base)
+                watch.thread.start()
+                results, wall = run_phase(base, prompts, max_tokens, args.clients, args.time_limit)
+                watch.stop.set()
                 concurrent = report(f"{args.clients} concurrent clients", results, wall)
-                n_seq = args.sequential or len(prompts)
-                results, wall = run_phase(base, prompts[:n_seq], args.max_tokens, 1, args.time_limit)
-                sequential = report("one at a time", results, wall)
-                print(f"throughput ratio, concurrent / one at a time: {concurrent / sequential:.1f}x")
+                cfg = preset("gpt2-small")                          # fp32 K and V of every layer, per position
+                watch.report(2 * cfg.n_layers * args.max_batch * cfg.d_model * context * 4)
+                n_seq = len(prompts) if args.sequential is None else args.sequential
+                if n_seq:
+                    results, wall = run_phase(base, prompts[:n_seq], max_tokens, 1, args.time_limit)
+                    sequential = report("one at a time", results, wall)
+                    print(f"throughput ratio, concurrent / one at a time: {concurrent / sequential:.1f}x")
             if args.soak:
-                soak(base, proc.pid, prompts, args.max_tokens, args.clients, args.soak, args.warmup)
+                soak(base, proc.pid, prompts, max_tokens, args.clients, args.soak, args.warmup)
         finally:
             proc.terminate()
             proc.wait(120)

@@ -53,9 +53,10 @@ def save_tiny(path, kind: str = "decoder", seed: int = 0, tokenizer: Tokenizer |
 
 
 @contextlib.contextmanager
-def serving(path, **options):
-    """(base_url, app) of a running server for the checkpoint at `path`; stopped on exit."""
-    app = create_app(Served(str(path)), Options(**options))
+def serving(path, adapters=(), **options):
+    """(base_url, app) of a running server for the checkpoint at `path` (+ `adapters`, "NAME=RUN" as
+    --adapter takes them); stopped on exit."""
+    app = create_app(Served(str(path), adapters=[str(a) for a in adapters]), Options(**options))
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)

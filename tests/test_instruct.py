@@ -99,6 +99,16 @@ def test_pretraining_text_holds_no_held_out_item(splits):
                 assert item.answer not in lines, item
 
 
+def test_a_wrong_line_of_the_play_comes_from_its_own_split(splits):
+    """continue's rejected reply: a held-out item weighs two lines never trained on (a memorised training line
+    would score above the true next line), and no training pair rejects a held-out line."""
+    lines = set(instruct.pretraining_text().splitlines())
+    held = {i.answer for split in ("validation", "test") for i in splits[split] if i.task == "continue"}
+    for item in (i for split in ("validation", "test") for i in splits[split] if i.task == "continue"):
+        assert item.wrong not in lines and item.wrong != item.answer, item
+    assert not {i.wrong for i in splits["train"] if i.task == "continue"} & held
+
+
 def test_routing_check_refuses_other_forms():
     assert instruct.fits("numbers", "three thousand, four hundred and ten")
     assert not instruct.fits("numbers", "trois mille")

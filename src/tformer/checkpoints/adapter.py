@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..errors import CheckpointError, ConfigError
-from ..inference.quant import Int8LoRALinear, quantize_int8
+from ..inference.int8_embedding import quantize_base
+from ..inference.quant import Int8LoRALinear
 from ..model.lora import TARGETS, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, merge, remove_lora
 from .files import write_json_atomic
 from .layout import resolve, run_dir_of
@@ -102,7 +103,7 @@ def attach(model: nn.Module, config: dict[str, Any], state: dict[str, Tensor], s
     """The base `model` with the adapter: int8-quantised first when it was trained so, then apply_lora
     and the adapter's tensors (strictly). In place; returns the model."""
     if config["int8"]:
-        quantize_int8(model)
+        quantize_base(model)
     try:
         apply_lora(model, config["r"], config["lora_alpha"], config["lora_dropout"], config["target_modules"],
                    config["use_rslora"])

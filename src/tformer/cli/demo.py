@@ -1,5 +1,6 @@
 """`make demo` (= python -m tformer.cli.demo): train a character-level GPT on Hamlet for a few minutes,
-then write with it.
+then write with it. Training validates on the part of the play before its last 10% (the best validation
+keeps the model); the last 10%, the test text, is scored once at the end, as `tformer eval` scores it.
 
 The same run from the command line (`tformer train` on hamlet takes the same recipe by default):
     tformer train --time-budget 300 --seed 1337 --prompt "HAMLET:" --out runs/demo-...
@@ -53,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     if result.reason == "interrupted":
         return 130
 
+    import torch
+
     from tformer.checkpoints.format import load
     from tformer.checkpoints.layout import METRICS, PLOT
+    from tformer.evaluation.lm import mean_loss
 
     model = load(result.best_checkpoint or result.checkpoint)   # best/: the averaged weights
+    test = torch.tensor(task.tokenizer.encode(LMTask.heldout(task.meta(), split="test")), dtype=torch.long)
     print(f"\ntrained {result.step} steps in {result.elapsed:.0f} s; "
           f"best validation loss {result.best_val_loss:.4f} nats/char "
-          f"(mean cross-entropy over the whole validation text)\n")
+          f"(mean cross-entropy over the whole validation text)\n"
+          f"test loss {mean_loss(model, test, task.context):.4f} nats/char on the test text ({len(test):,} "
+          f"characters, never used in training; `tformer eval --model RUN` scores the same)\n")
     for what, settings in SAMPLES:
         text = sample_text(model, task.tokenizer, args.prompt, seed=1, **settings)   # TEXT_DEFAULTS' length
         print(f"--- sample ({what}) ---\n{text}\n")

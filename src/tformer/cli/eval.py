@@ -1,15 +1,20 @@
-"""`tformer eval`: score a checkpoint on held-out data.
+"""`tformer eval`: score a checkpoint on held-out data, by default the run's test split.
 
-    tformer eval --model runs/hamlet                 # the run's own validation text: loss, perplexity
-    tformer eval --model runs/sentiment --json    # held-out texts: loss, accuracy, macro-F1 (+ confusion)
-    tformer eval --model runs/numbers --num-beams 4   # held-out pairs: loss, BLEU, chrF, exact match
-    tformer eval --model runs/ner                     # held-out sentences: loss, entity precision/recall/F1
+    tformer eval --model runs/hamlet                 # the test text (Hamlet's last 10%): loss, perplexity
+    tformer eval --model runs/sentiment --json    # test texts: loss, accuracy, macro-F1 (+ confusion)
+    tformer eval --model runs/numbers --num-beams 4   # test pairs: loss, BLEU, chrF, exact match
+    tformer eval --model runs/ner --split validation  # validation sentences: loss, entity precision/recall/F1
     tformer eval --model runs/assistant               # --task sft: the loss over the trained (assistant) tokens
     tformer eval --model runs/preferred               # --task dpo: preference accuracy, mean rewards and margin
     tformer eval --model runs/prefer --data tformer-instruct   # an assistant on tformer-instruct's test split
 
-Without --data the run's own held-out split is rebuilt from what its checkpoint records (data,
-fraction, seed), so the scores are on data the model never trained on. With --data: a text file
+Without --data the run's own split is rebuilt from what its checkpoint records (data, fractions,
+seeds; tformer.data.splits): the test split by default, which training never looked at, or with
+--split validation the split it validated on (and --keep-best chose on). A first line says which (on
+stderr with --json; the figures keep their names, val_loss included, whatever the split). A run on a
+user's file has no test split unless trained with --test-fraction: eval scores its validation split and
+says so; a run from before test splits has one held-out split, which it also validated on: eval scores
+that and says so. With --data: a text file
 (language model), a CSV/TSV/JSONL table (classifier), a TSV/JSONL of pairs (translator), a CoNLL
 file of `word label` lines (tagger), a JSONL of conversations (sft) or of preference pairs (dpo),
 scored whole. A LoRA run is scored as base + adapter; a DPO run against its reference: the base with
@@ -46,6 +51,8 @@ def register(sub) -> None:
                    "rewards/margins: those that apply)")
     p.add_argument("--num-beams", type=positive_int, default=1, help="translation: beam width, 1 = greedy (default 1)")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score only the first N examples")
+    p.add_argument("--split", choices=("validation", "test"), default=None,
+                   help="which split of the run's data to score (default: test, where the run has one)")
     p.add_argument("--text-column", default=None, help="classification --data: the text column (default: the run's)")
     p.add_argument("--label-column", default=None, help="classification --data: the label column (default: the run's)")
     p.set_defaults(func=run)
@@ -85,19 +92,49 @@ def _limit(items, n):
     return items if n is None else items[:n]
 
 
+def _split(meta, args, builtin=()) -> str | None:
+    """The split of the run's data to score (tformer.tasks.common.eval_split); None: --data, scored whole."""
+    from tformer.errors import ConfigError
+    from tformer.tasks.common import eval_split
+
+    if args.data is not None and args.data not in builtin:
+        if args.split is not None:
+            raise ConfigError("--split chooses a split of the run's own data; --data is scored whole")
+        return None
+    return eval_split(meta.get("heldout", meta), args.split)   # a language model records it at the top level
+
+
+WHY = {"test": "never used in training",
+       "validation": "the run validated on them; --keep-best chose its best checkpoint on them",
+       "held-out": "this run is from before tformer kept a test split apart: its one held-out split, which it also "
+                   "validated on (and --keep-best chose on), so the figures may flatter it"}
+
+
+def _say(args, split: str | None, n: int, scored: int, noun: str) -> None:
+    """The line that says what was scored: on stdout, or on stderr under --json (stdout: one JSON object)."""
+    import sys
+
+    count = f"{scored:,} {noun}" if scored == n else f"the first {scored:,} of {n:,} {noun}"
+    line = f"data: {args.data} ({count}, whole)" if split is None else f"split: {split} ({count}, {WHY[split]})"
+    print(line, file=sys.stderr if args.json else sys.stdout)
+
+
 def eval_lm(model, tokenizer, meta, args, task) -> dict[str, float]:
     import torch
 
     from tformer.errors import ConfigError
     from tformer.evaluation.lm import mean_loss
 
-    text = task.heldout(meta, args.data)
-    if text is None:
+    if args.data is None and "data" not in meta:
         raise ConfigError(f"{args.model} does not record its training data; pass --data")
+    split = _split(meta, args)
+    text = task.heldout(meta, args.data, split=split or "test")
     context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
-    ids = torch.tensor(_limit(tokenizer.encode(text), args.limit), dtype=torch.long)
+    every = tokenizer.encode(text)
+    ids = torch.tensor(_limit(every, args.limit), dtype=torch.long)
     if len(ids) < 2:
         raise ConfigError("the text to score has fewer than 2 tokens")
+    _say(args, split, len(every), len(ids), "tokens")
     loss = mean_loss(model, ids, context)  # the same windows as validation during training
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
@@ -107,7 +144,9 @@ def eval_classifier(model, tokenizer, meta, args, task):
     from tformer.evaluation.classify import format_confusion, score
 
     labels = model.labels or meta.get("labels")
-    texts, names = task.heldout(meta, args.data, args.text_column, args.label_column)
+    split = _split(meta, args)
+    texts, names = task.heldout(meta, args.data, args.text_column, args.label_column, split=split or "test")
+    _say(args, split, len(texts), len(_limit(texts, args.limit)), "texts")
     unknown = sorted(set(names) - set(labels))
     if unknown:
         raise DataError(f"label(s) {', '.join(map(repr, unknown))} were not in the model's training data "
@@ -124,7 +163,9 @@ def eval_tagger(model, tokenizer, meta, args, task):
     from tformer.evaluation.metrics import entity_report
     from tformer.evaluation.tag import check_labels, label_names, score
 
-    data = task.heldout(meta, args.data)
+    split = _split(meta, args)
+    data = task.heldout(meta, args.data, split=split or "test")
+    _say(args, split, len(data.words), len(_limit(data.words, args.limit)), "sentences")
     check_labels(data, label_names(model), args.data or data.name)
     words, labels = _limit(data.words, args.limit), _limit(data.labels, args.limit)
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
@@ -139,7 +180,11 @@ def eval_translator(model, tokenizer, meta, args, task):
 
     max_len = min(int(meta.get("max_len", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     check_generation(model.cfg, args.num_beams, max_len, fix="lower --num-beams")  # before any work
-    sources, targets = task.heldout(meta, args.data)
+    from tformer.tasks.translate import BUILTIN
+
+    split = _split(meta, args, builtin=BUILTIN)
+    sources, targets = task.heldout(meta, args.data, split=split or "test")
+    _say(args, split, len(sources), len(_limit(sources, args.limit)), "pairs")
     sources, targets = _limit(sources, args.limit), _limit(targets, args.limit)
     s = score(model, tokenizer, sources, targets, max_len, num_beams=args.num_beams,
               source_tokenizer=load_source_tokenizer(args.model))
@@ -164,10 +209,29 @@ def _chat_renderer(model_dir, tokenizer, train_on_prompt: bool = False):
     return Renderer(tokenizer, template, train_on_prompt)
 
 
+def _chat_split(meta, args) -> tuple[str | None, str | None]:
+    """(the `data` an sft / dpo task's heldout takes, the split): a run on tformer-instruct has its test split
+    (what heldout gives for data=tformer-instruct); on a user's file, only its validation split (data=None)."""
+    from tformer.errors import ConfigError
+
+    if args.data is not None:
+        if args.split is not None:
+            raise ConfigError("--split chooses a split of the run's own data; --data is scored whole")
+        return args.data, None
+    split = args.split or ("test" if meta.get("data") == INSTRUCT else "validation")
+    if split == "test" and meta.get("data") != INSTRUCT:
+        raise ConfigError("this run has no test split (its file is split in two: train, validation): score "
+                          "--split validation, or pass --data with a file of its own")
+    return (INSTRUCT if split == "test" else None), split
+
+
 def eval_sft(model, tokenizer, meta, args, task):
     from tformer.tasks.sft import fitting, trained_loss
 
-    examples = _limit(task.heldout(meta, args.data), args.limit)
+    data, split = _chat_split(meta, args)
+    examples = task.heldout(meta, data)
+    _say(args, split, len(examples), len(_limit(examples, args.limit)), "examples")
+    examples = _limit(examples, args.limit)
     renderer = _chat_renderer(args.model, tokenizer, meta.get("train_on_prompt", False))
     context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     rendered = fitting([renderer(e) for e in examples], context, args.data or meta["data"], "held-out")
@@ -188,7 +252,10 @@ def eval_dpo(model, tokenizer, meta, args, task):
             raise ConfigError(f"{args.model} does not record its reference model (the run's --init); "
                               "train it again with this version of tformer")
         frozen = load(meta["init"])
-    pairs = _limit(task.heldout(meta, args.data), args.limit)
+    data, split = _chat_split(meta, args)
+    pairs = task.heldout(meta, data)
+    _say(args, split, len(pairs), len(_limit(pairs, args.limit)), "pairs")
+    pairs = _limit(pairs, args.limit)
     context = min(int(meta.get("context", model.cfg.max_seq_len)), model.cfg.max_seq_len)
     rendered = render_pairs(_chat_renderer(args.model, tokenizer), pairs, context, args.data or meta["data"],
                             "held-out")

@@ -5,7 +5,10 @@
 
 Sampling defaults: those of sampled text, tformer.generation.settings.TEXT_DEFAULTS (the LM task's
 progress samples use them too; --help shows them); --greedy picks the most likely token each step;
---num-beams N runs beam search.
+--num-beams N runs beam search. Speculative decoding (the same text as without it when greedy, the
+same distribution when sampling; one prompt): --draft-model RUN (a smaller decoder trained with the
+same tokenizer) or --prompt-lookup N (drafts copied from the text) proposes --num-draft-tokens K tokens
+per step of the model; the share it accepted is printed to stderr at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the generated text contains STR (not printed); repeatable")
     p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt before it")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="speculative decoding: a smaller decoder (checkpoint or run directory) with the same tokenizer "
+                        "drafts tokens the model checks several at a time")
+    p.add_argument("--prompt-lookup", type=positive_int, metavar="N",
+                   help="speculative decoding without a draft model: propose the tokens that followed the last N "
+                        "tokens where they occurred earlier in the prompt or text (N=2-3 is typical)")
+    p.add_argument("--num-draft-tokens", type=positive_int, metavar="K",
+                   help="tokens drafted per step with --draft-model or --prompt-lookup (default 4)")
     p.set_defaults(func=run)
 
 
@@ -74,7 +85,7 @@ def run(args) -> int:
     options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-                   eos_token_id=eos_ids(model, tokenizer=tokenizer))
+                   eos_token_id=eos_ids(model, tokenizer=tokenizer), **_speculation(args, tokenizer))
     # one generator for the whole text: the sliding window's rounds continue its sequence
     generator = make_generator(args.seed, next(model.parameters()).device) if args.seed is not None else None
     from tformer.inference.limits import check_generation
@@ -94,7 +105,38 @@ def run(args) -> int:
         out.flush()
     out.write("\n")
     out.flush()
+    stats = options.get("speculative_stats")
+    if stats is not None:
+        sys.stderr.write(f"speculative: {stats.acceptance:.0%} of {stats.proposed} drafted tokens accepted\n")
     return 0
+
+
+def _speculation(args, tokenizer) -> dict:
+    """generate()'s speculative arguments from the flags: the draft model loaded and checked against
+    the model's tokenizer, and the stats to print; {} without --draft-model / --prompt-lookup."""
+    from tformer.errors import TformerError
+    from tformer.generation import SpeculativeStats
+
+    if args.draft_model is None and args.prompt_lookup is None:
+        if args.num_draft_tokens is not None:
+            raise TformerError("--num-draft-tokens needs --draft-model RUN or --prompt-lookup N")
+        return {}
+    if args.draft_model is not None and args.prompt_lookup is not None:
+        raise TformerError("give --draft-model or --prompt-lookup, not both")
+    draft = None
+    if args.draft_model is not None:
+        from tformer.checkpoints.format import load, load_tokenizer
+
+        draft = load(args.draft_model)
+        if draft.kind != "decoder":
+            raise TformerError(f"--draft-model {args.draft_model} holds a {type(draft).__name__}; a draft must be a "
+                               f"decoder (GPT-style)")
+        vocab = load_tokenizer(args.draft_model).hf.get_vocab(with_added_tokens=True)
+        if vocab != tokenizer.hf.get_vocab(with_added_tokens=True):
+            raise TformerError(f"--draft-model {args.draft_model} has another tokenizer than --model (a draft must "
+                               f"be trained with the model's tokenizer: --tokenizer RUN/tokenizer.json)")
+    return dict(draft_model=draft, prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+                speculative_stats=SpeculativeStats())
 
 
 def _beam_text(model, tokenizer, ids, stops, generator, options, generate) -> str:

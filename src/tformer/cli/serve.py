@@ -1,6 +1,7 @@
 """`tformer serve`: an OpenAI-compatible HTTP server for a checkpoint, with continuous batching.
 
     tformer serve --model runs/shakespeare                       # http://127.0.0.1:8000/v1
+    tformer serve --model runs/base --adapter poet=runs/poet-lora --adapter legal=runs/legal-lora
     TFORMER_API_KEY=secret tformer serve --model runs/gpt2 --host 0.0.0.0 --port 8080
 
 Endpoints: /v1/completions, /v1/chat/completions (models with a chat template), /v1/embeddings
@@ -27,6 +28,9 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="RUN", help="checkpoint or run directory to serve")
     p.add_argument("--name", default=None, help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=RUN",
+                   help="serve a LoRA adapter of --model (a `tformer train --lora-r` run or checkpoint, or a peft "
+                        "adapter directory) as model NAME; repeat for more. Requests choose by their model field")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
     p.add_argument("--port", type=port, default=8000, help="port (default %(default)s; 0 picks a free one)")
     p.add_argument("--max-batch", type=positive_int, default=16,
@@ -40,6 +44,12 @@ def register(sub) -> None:
     p.add_argument("--max-body", type=positive_int, default=1 << 20, metavar="BYTES",
                    help="largest request body; larger ones get HTTP 413 (default %(default)s)")
     p.add_argument("--device", default=None, help="torch device for the model (default: where it loads, the CPU)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens prefilled per step while other rows decode, which bounds their wait "
+                        "(default: serve.Options', see docs/SERVING.md)")
+    p.add_argument("--prefix-cache-mb", type=nonneg_float, default=None, metavar="MIB",
+                   help="keys and values of prompt prefixes kept for reuse by later prompts (decoders); "
+                        "0 turns the prefix cache off (default: serve.Options', see docs/SERVING.md)")
     p.set_defaults(func=run)
 
 
@@ -53,15 +63,19 @@ def run(args) -> int:
     except ImportError as e:
         raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
             from None
-    served = Served(args.model, args.name, args.device)
-    app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body))
+    served = Served(args.model, args.name, args.device, args.adapter)
+    given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb))
+             if v is not None}                                    # else Options' defaults, stated there once
+    app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body, **given))
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e} "
                           "(choose another --port or --host)") from None
     host, port = sock.getsockname()[:2]
-    print(f"tformer serve: {served.name} ({served.kind}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    adapters = f", adapters {', '.join(served.adapters.names[1:])}" if args.adapter else ""
+    print(f"tformer serve: {served.name} ({served.kind}{adapters}) on http://{host}:{port}/v1", file=sys.stderr,
+          flush=True)
     state = app.state.tformer
 
     class Server(uvicorn.Server):

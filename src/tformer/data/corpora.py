@@ -210,6 +210,15 @@ def numbers_heldout(n_test: int = 1000, seed: int = 0) -> list[int]:
     return sorted(random.Random(f"numbers-heldout-{seed}").sample(range(NUMBERS_LIMIT), n_test))
 
 
+def numbers_splits(n: int = 1000, seed: int = 0, test_seed: int = 0) -> tuple[list[int], list[int]]:
+    """(validation, test) numbers, disjoint and sorted: `n` test numbers drawn uniformly from 0..999,999 by
+    `test_seed` alone (the same for every run), and numbers_heldout(n, seed) without them (about n**2 / 10**6
+    fewer: the held-out numbers of a run from before test splits, which validated on them)."""
+    test = sorted(random.Random(f"numbers-test-{test_seed}").sample(range(NUMBERS_LIMIT), n))
+    taken = set(test)
+    return [k for k in numbers_heldout(n, seed) if k not in taken], test
+
+
 def sample_training_number(rng: random.Random, heldout: set[int]) -> int:
     """A training number: first a digit count 1..6 uniformly, then a number with that many digits,
     so short numbers ("dix-sept") are seen as often as long ones. Held-out numbers are never returned."""

@@ -17,15 +17,17 @@ seen in training). Whole units are held out: Bible chapters, Hamlet speeches, tw
 
 Every item also carries a plausible wrong reply (`wrong`), the rejected side of the preference set: a number
 with one digit changed, the other sentiment, the next verse's translation, the entities with a wrong type
-(or one invented where there are none), another speaker, a line from another speech.
+(or one invented where there are none), another speaker, the next line of another speech of the same split.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import cache
+from itertools import repeat
 
 from . import corpora
 from .chat import Example
@@ -186,10 +188,9 @@ def _numbers(rng: random.Random) -> dict[str, list]:
     draw = {}
     for split, n in (*LARGE_HELD_OUT.items(), ("train", TRAIN_NUMBERS)):
         draw[split] = []
-        while len(draw[split]) < n:
-            k = corpora.sample_training_number(rng, seen)      # digit counts 1..6 equally likely, never repeated
+        while len(draw[split]) < n:     # digit counts 1..6 equally likely, never repeated
+            draw[split].append(k := corpora.sample_training_number(rng, seen))
             seen.add(k)
-            draw[split].append(k)
 
     def row(n: int) -> tuple[str, str, str]:
         digits = list(str(n))
@@ -222,8 +223,7 @@ def _bible(rng: random.Random, longest: int = 120) -> tuple[dict[str, list], dic
     for d in (0, 1):                           # 0: en -> es, 1: es -> en, on alternate chapters
         units = []
         for name in names[d::2]:
-            verses = chapters[name]
-            turned = [v if d == 0 else v[::-1] for v in verses]          # (source, target) of this direction
+            turned = [v if d == 0 else v[::-1] for v in chapters[name]]   # (source, target) of this direction
             units.append([(x, y, wrong) for (x, y), (_, wrong) in zip(turned, turned[1:] + turned[:1])
                           if len(x) <= longest and len(y) <= longest and y != wrong])
         split = _held_out(units, rng, {s: n // 20 for s, n in HELD_OUT.items()})   # ~20 short verses a chapter
@@ -245,10 +245,8 @@ def _entities(rng: random.Random) -> dict[str, list]:
             elif label.startswith("I-"):
                 spans[-1][1].append(word)
         answer = "; ".join(f"{t}: {' '.join(ws)}" for t, ws in spans) or "none"
-        if spans:
-            wrong = "; ".join(f"{rng.choice([x for x in types if x != t])}: {' '.join(ws)}" for t, ws in spans)
-        else:
-            wrong = f"{rng.choice(types)}: {max(words, key=len)}"
+        wrong = ("; ".join(f"{rng.choice([x for x in types if x != t])}: {' '.join(ws)}" for t, ws in spans) if spans
+                 else f"{rng.choice(types)}: {max(words, key=len)}")
         rows.append((" ".join(words), answer, wrong))
     return _held_out(rows, rng)
 
@@ -273,9 +271,7 @@ def _play() -> list[tuple[str, list[str]]]:
 
 def hamlet_speakers(min_lines: int = 20) -> frozenset[str]:
     """The speakers with at least `min_lines` lines: the answers of the speaker task."""
-    counts: dict[str, int] = {}
-    for speaker, lines in _play():
-        counts[speaker] = counts.get(speaker, 0) + len(lines)
+    counts = Counter(speaker for speaker, lines in _play() for _ in lines)
     return frozenset(s for s, n in counts.items() if n >= min_lines)
 
 
@@ -288,9 +284,17 @@ def _speeches(rng: random.Random) -> tuple[dict[str, list], dict[str, list]]:
     for speaker, lines in _play():
         who = [(line, speaker, rng.choice([s for s in speakers if s != speaker]))
                for line in lines if len(line) >= 20 and not line.startswith(STAGE) and speaker in speakers]
-        follow = [(a, b, rng.choice(every_line)) for a, b in zip(lines, lines[1:])
-                  if len(a) >= 20 and len(b) >= 15 and not b.startswith(STAGE)]
+        follow = [(a, b, rng.choice(every_line)) for a, b in zip(lines, lines[1:])   # that line: replaced below,
+                  if len(a) >= 20 and len(b) >= 15 and not b.startswith(STAGE)]    # the draw kept: it fixes the splits
         units.append((who, follow))
     split = _held_out(units, rng, {s: n // 4 for s, n in HELD_OUT.items()})   # ~4 long lines a speech
     return ({s: [r for who, _ in us for r in who] for s, us in split.items()},
-            {s: [r for _, follow in us for r in follow] for s, us in split.items()})
+            {s: _wrong_lines([follow for _, follow in us], rng) for s, us in split.items()})
+
+
+def _wrong_lines(speeches: list[list[tuple[str, str, str]]], rng: random.Random) -> list[tuple[str, str, str]]:
+    """One split's continue rows, the wrong reply the next line of another speech of the same split: a held-out
+    item weighs two lines never trained on, not one against a memorised training line (which scores higher)."""
+    draws = map(rng.choice, repeat([(k, b) for k, follow in enumerate(speeches) for _, b, _ in follow]))  # endless
+    return [(a, b, next(line for j, line in draws if j != k and line != b))
+            for k, follow in enumerate(speeches) for a, b, _ in follow]

@@ -23,6 +23,7 @@ from .prepare import Prepared, prepare
 from .processors import process_logits
 from .sampling import choose, make_generator
 from .settings import Settings, make_settings
+from .speculative import SpeculativeStats, make_speculation, speculative_steps
 from .stopping import sequence_hits, string_hits
 
 
@@ -76,7 +77,9 @@ def _run(steps: Iterator[Tensor], streamer: Callable[[Tensor], None] | None) -> 
 
 
 def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
-             generator=None, seed=None, streamer: Callable[[Tensor], None] | None = None, **kwargs) -> Tensor:
+             generator=None, seed=None, streamer: Callable[[Tensor], None] | None = None, draft_model=None,
+             prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
+             speculative_stats: SpeculativeStats | None = None, **kwargs) -> Tensor:
     """Continue `input_ids` (see the module docstring). Arguments as in HF `generate`:
     max_new_tokens, do_sample, temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty,
     num_beams, length_penalty, early_stopping, num_return_sequences, eos_token_id, pad_token_id,
@@ -85,9 +88,14 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
     called with each step's new tokens (N,) (not with beam search, where tokens are not final).
     N = B * num_return_sequences; rows of one input are adjacent, as in HF. One difference from
     HF: repetition_penalty ignores the ids under left padding (HF penalises them too).
-    An EncoderDecoder's source mask may be given as attention_mask (HF) or src_mask."""
+    An EncoderDecoder's source mask may be given as attention_mask (HF) or src_mask.
+    Speculative decoding (speculative.py; a decoder, one prompt): draft_model (a smaller decoder with the
+    same vocabulary) or prompt_lookup=N (drafts copied after the last N-gram's earlier occurrence) proposes
+    num_draft_tokens per round (default 4); speculative_stats (a SpeculativeStats) counts the accepted ones."""
     attention_mask = _one_mask(attention_mask, src_mask)
     s = make_settings(model, **kwargs)
+    spec = make_speculation(model, s, input_ids, attention_mask, draft_model, prompt_lookup, num_draft_tokens,
+                            speculative_stats)
     generator = _generator(generator, seed, input_ids.device) if s.do_sample else None
     plan_decoding(model, input_ids.size(0) * max(s.num_beams, s.num_return_sequences))
     with torch.inference_mode():
@@ -97,21 +105,28 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, 
             p = prepare(model, input_ids, attention_mask, s, s.num_beams)
             return beam_search(p, s, input_ids.size(0), generator)
         p = prepare(model, input_ids, attention_mask, s, s.num_return_sequences)
-        steps = _run(sample_steps(p, s, generator), streamer)
+        loop = speculative_steps(p, s, spec, generator) if spec is not None else sample_steps(p, s, generator)
+        steps = _run(loop, streamer)
         return p.seqs[:, :p.prompt_len + steps]
 
 
 def stream(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, src_mask: Tensor | None = None,
-           generator=None, seed=None, **kwargs) -> Iterator[Tensor]:
-    """Like generate(), but an iterator over the new tokens (N,) of each step, as they are made."""
+           generator=None, seed=None, draft_model=None, prompt_lookup: int | None = None,
+           num_draft_tokens: int | None = None, speculative_stats: SpeculativeStats | None = None,
+           **kwargs) -> Iterator[Tensor]:
+    """Like generate(), but an iterator over the new tokens (N,) of each step, as they are made
+    (speculative decoding: one token per item too)."""
     attention_mask = _one_mask(attention_mask, src_mask)
     s = make_settings(model, **kwargs)
+    spec = make_speculation(model, s, input_ids, attention_mask, draft_model, prompt_lookup, num_draft_tokens,
+                            speculative_stats)
     if s.num_beams > 1:
         raise ConfigError("num_beams > 1 cannot be streamed (beams are only final at the end); use generate()")
     plan_decoding(model, input_ids.size(0) * s.num_return_sequences)
     with torch.inference_mode():
         p = prepare(model, input_ids, attention_mask, s, s.num_return_sequences)
-    return _inference(sample_steps(p, s, _generator(generator, seed, input_ids.device)))
+    generator = _generator(generator, seed, input_ids.device)
+    return _inference(speculative_steps(p, s, spec, generator) if spec is not None else sample_steps(p, s, generator))
 
 
 def _one_mask(attention_mask: Tensor | None, src_mask: Tensor | None) -> Tensor | None:

@@ -52,10 +52,7 @@ class Stepper:
     def next_greedy(self, seqs: Tensor, cur_len: int) -> Tensor:
         """(N,) greedy tokens for column cur_len: from the output layer's argmax where it can give
         one without all the logits (linear.Gemv.argmax: exact, half the bytes), else greedy(logits)."""
-        hidden = self.next_logits(seqs, cur_len, head=False)
-        head = self.model.lm_head
-        tokens = head.argmax(hidden) if isinstance(head, Linear) else None
-        return tokens if tokens is not None else greedy(head(hidden).float())
+        return greedy_tokens(self.model, self.next_logits(seqs, cur_len, head=False))
 
     def reorder(self, index: Tensor) -> None:
         """Beam search: row i continues from row index[i]. Only self-attention caches move: the
@@ -63,3 +60,11 @@ class Stepper:
         if self.cache is not None:
             for layer in self.cache.layers:
                 layer.reorder(index)
+
+
+def greedy_tokens(model, hidden: Tensor) -> Tensor:
+    """(R, D) hidden states (model.step(..., head=False)) -> (R,) the argmax of their logits: the output
+    layer's exact argmax where its plan gives one (Linear.argmax), else greedy(logits)."""
+    head = model.lm_head
+    tokens = head.argmax(hidden) if isinstance(head, Linear) else None
+    return tokens if tokens is not None else greedy(head(hidden).float())

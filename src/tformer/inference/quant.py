@@ -44,7 +44,8 @@ and rounding each input of row m by at most r_m·a / 2, so
 
     model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
 
-Embedding tables stay as they are: a lookup reads one row per token, not the whole table. With
+Embedding tables stay as they are: a lookup reads one row per token, not the whole table (a frozen base
+under LoRA adapters, `--lora-int8`, has them int8 too: int8_embedding.py). With
 int8 activations on a CPU the rest of the model is converted to fp32, the dtype the kernels take
 and return, whatever the model's dtype was (quantize_int8); with weight-only int8 it keeps its dtype.
 """

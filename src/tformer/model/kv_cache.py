@@ -122,3 +122,11 @@ class Cache:
     def reorder(self, index: Tensor) -> None:
         for c in self.layers + (self.cross or []):
             c.reorder(index)
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding: the drafted tokens the model
+        rejected); the next update writes over their slots. Cross-attention K, V stay."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        for c in self.layers:
+            c.length = length

@@ -24,6 +24,7 @@ from .embeddings import Embeddings
 from .kv_cache import Cache, CrossKVCache, KVCache
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
+from .lm_loss import lm_loss
 from .masks import Packing, combine, padding_mask, self_attention_mask
 from .positional import RelativePositionBias, RotaryEmbedding
 
@@ -155,6 +156,11 @@ class DecoderStack(nn.Module):
         return Cache(layers, [CrossKVCache() for _ in self.layers] if cross else None)
 
 
+def _floating(module: nn.Module) -> Tensor:
+    """`module`'s first floating-point tensor: its weight, or an int8 table's scales (inference/int8_embedding.py)."""
+    return next(t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
+
+
 def _cache_dtype(param: Tensor, dtype):
     """The dtype K and V will have: the parameters' dtype, or the autocast dtype when autocast is on."""
     if dtype is not None:
@@ -183,7 +189,8 @@ class GenerationMixin:
 
 class Decoder(GenerationMixin, nn.Module):
     """GPT-style decoder-only language model. forward(input_ids (B, T)) -> logits (B, T, V);
-    the logits at the last position give the distribution of the next token."""
+    the logits at the last position give the distribution of the next token. With labels= (B, T) (each
+    position's next token, -100: none) the mean cross-entropy instead (lm_loss.py: no whole logits)."""
 
     kind = "decoder"
     is_encoder_decoder = False
@@ -198,9 +205,11 @@ class Decoder(GenerationMixin, nn.Module):
             self.lm_head.weight = self.stack.embed.token.weight
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, positions: Tensor | None = None,
-                cache: Cache | None = None, return_attention: bool = False):
+                cache: Cache | None = None, return_attention: bool = False, labels: Tensor | None = None):
         hidden, attentions, _ = self.stack(input_ids, attention_mask, positions, cache,
                                            return_attention=return_attention)
+        if labels is not None:
+            return lm_loss(hidden, self.lm_head, labels)
         logits = self.lm_head(hidden)                                            # (B, T, V)
         return (logits, attentions) if return_attention else logits
 
@@ -222,7 +231,7 @@ class Decoder(GenerationMixin, nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
         """Preallocated KV cache for `batch_size` sequences of up to `max_len` positions."""
-        param = self.stack.embed.token.weight   # not lm_head's: an int8-quantised output layer (quant.py)
+        param = _floating(self.stack.embed.token)   # not lm_head's: an int8-quantised output layer (quant.py)
         return self.stack.new_cache(self.cfg, batch_size, max_len or self.cfg.max_seq_len,
                                     _cache_dtype(param, dtype), param.device, cross=False)
 
@@ -286,6 +295,6 @@ class EncoderDecoder(GenerationMixin, nn.Module):
         return self.lm_head(hidden) if head else hidden
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> Cache:
-        param = self.shared.weight              # not lm_head's: it may be int8-quantised (quant.py)
+        param = _floating(self.shared)              # not lm_head's: it may be int8-quantised (quant.py)
         return self.decoder.new_cache(self.cfg.stack_config("decoder"), batch_size, max_len or self.cfg.max_seq_len,
                                       _cache_dtype(param, dtype), param.device, cross=True)

@@ -1,6 +1,7 @@
 """`tformer serve`: an OpenAI-compatible HTTP server with continuous batching (docs/SERVING.md).
 
-    pool.py       the KV cache: one preallocated slot per running sequence
+    pool.py       the KV cache: one slot per running sequence, grown and shrunk with what the rows hold
+    prefix.py     the prefix cache: prefilled prompt blocks found by their hash chain, copied into new prompts
     scheduler.py  one thread owns the model: admits, prefills, decodes all running rows per step
     sequence.py   one row: its sampling settings and logits processing, its text and logprobs, its events
     served.py     the checkpoint, its tokenizers and chat template, the encoders' one-shot work

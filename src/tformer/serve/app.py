@@ -67,13 +67,15 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                             "owned_by": "tformer", "kind": served.kind}]}
+    def models():       # the base, then each adapter with its base as "parent" (as vLLM lists LoRA adapters)
+        names = served.adapters.names
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tformer",
+                                            "kind": served.kind, "parent": None if k == 0 else served.name}
+                                           for k, name in enumerate(names)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        state.require(body.model, GENERATES, "/v1/completions")
+        adapter = state.require(body.model, GENERATES, "/v1/completions")
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         check_count(prompts, "prompt")
         echo_logprobs = body.echo and body.logprobs is not None      # the prompt's tokens' logprobs too
@@ -85,14 +87,14 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
             served.check_budget(len(p), body.max_tokens)
         constrained, schema = wanted_schema(body.response_format)
         grammar = await compile_grammar(state.grammars, schema) if constrained else None
-        job = start_job(state, body, ids, body.max_tokens, body.logprobs, echo_logprobs, grammar)
+        job = start_job(state, body, ids, body.max_tokens, body.logprobs, echo_logprobs, grammar, adapter)
         echo = prompts if body.echo else [""] * len(prompts)
-        fmt = CompletionFormat(served.name, body.n, echo, sum(map(len, ids)), echo_logprobs)
+        fmt = CompletionFormat(served.adapters.names[adapter], body.n, echo, sum(map(len, ids)), echo_logprobs)
         return await respond(job, fmt, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        state.require(body.model, GENERATES, "/v1/chat/completions")
+        adapter = state.require(body.model, GENERATES, "/v1/chat/completions")
         tools = Tools(body, served.chat.source if served.chat is not None else None)
         ids = served.chat_ids([m.for_template() for m in body.messages], tools.for_template)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, served.context - len(ids))
@@ -102,8 +104,8 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
                    if constrained else None)
         calls = tools if tools.forced or not constrained else None     # a requested JSON answer is not a call
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = start_job(state, body, [ids], max_tokens, top, grammar=grammar)
-        return await respond(job, ChatFormat(served.name, len(ids), calls), body, request)
+        job = start_job(state, body, [ids], max_tokens, top, grammar=grammar, adapter=adapter)
+        return await respond(job, ChatFormat(served.adapters.names[adapter], len(ids), calls), body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):

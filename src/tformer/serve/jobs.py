@@ -22,7 +22,8 @@ CLIENT_CLOSED = 499         # nginx's status for "the client closed the connecti
 class Job:
     """The sequences of one request and the asyncio queue the scheduler thread feeds."""
 
-    def __init__(self, state: State, seqs_args: list[tuple[int, list[int], Sampling, list[int] | None]]):
+    def __init__(self, state: State, seqs_args: list[tuple[int, list[int], Sampling, list[int] | None]],
+                 adapter: int = 0):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -33,7 +34,7 @@ class Job:
                 pass
 
         served = state.served
-        self.seqs = [Sequence(i, prompt, s, served.output, served.eos, sink, source, served.device)
+        self.seqs = [Sequence(i, prompt, s, served.output, served.eos, sink, source, served.device, adapter)
                      for i, prompt, s, source in seqs_args]
 
     def submit(self) -> None:
@@ -64,9 +65,10 @@ class Job:
 
 
 def start_job(state: State, body: Sampled, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
-              prompt_logprobs: bool = False, grammar=None) -> Job:
+              prompt_logprobs: bool = False, grammar=None, adapter: int = 0) -> Job:
     """One sequence per prompt and choice (choice k of a seeded request uses seed + k); `grammar` (a
-    grammar.Compiled) constrains each of them (each has its own matcher)."""
+    grammar.Compiled) constrains each of them (each has its own matcher); `adapter`: the LoRA adapter
+    they use (0: the base)."""
     served, args = state.served, []
     bias = body.token_bias(served.model.cfg.vocab_size)
     for p, prompt in enumerate(prompts):
@@ -80,7 +82,7 @@ def start_job(state: State, body: Sampled, prompts: list[list[int]], max_tokens:
     if served.model.is_encoder_decoder and served.start is None:
         raise ApiError(400, "the model config has no decoder start token (decoder_start_token_id, bos or pad)")
     state.metrics.tokens_in.inc(sum(map(len, prompts)))
-    job = Job(state, args)
+    job = Job(state, args, adapter)
     job.submit()
     return job
 

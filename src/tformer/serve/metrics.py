@@ -18,6 +18,12 @@ class Metrics:
                                  "(their rows left the batch)", registry=r)
         self.queue = Gauge("tformer_queue_length", "sequences waiting for a slot in the running batch", registry=r)
         self.batch = Gauge("tformer_running_batch_size", "sequences in the running batch", registry=r)
+        self.prefix_queries = Counter("tformer_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("tformer_prefix_cache_hits", "prompt tokens whose keys and values came from the "
+                                   "prefix cache (copied, not computed)", registry=r)
+        self.kv_bytes = Gauge("tformer_kv_cache_bytes", "bytes of keys and values held: the running rows' pool, the "
+                              "prompt being prefilled, the prefix cache", ["part"], registry=r)
         self.ttft = Histogram("tformer_time_to_first_token_seconds", "from arrival to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tformer_inter_token_latency_seconds", "between consecutive tokens of one sequence",

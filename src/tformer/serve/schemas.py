@@ -42,7 +42,7 @@ class ResponseFormat(Body):
 
 class Sampled(Body):
     """Fields shared by completions and chat completions."""
-    model: str
+    model: str | None = Field(None, description="the served model's name or one of its adapters' (none: the model)")
     temperature: float = Field(OPENAI.temperature, ge=0, le=2,
                                description="0: greedy (the most likely token each step)")
     top_p: float = Field(OPENAI.top_p, gt=0, le=1)

@@ -71,11 +71,12 @@ def token_info(tokenizer, token: int, logp: Tensor, top: int) -> Token:
 
 
 class Sequence:
-    """One choice being generated: its prompt, settings, random generator, text and progress."""
+    """One choice being generated: its prompt, settings, adapter, random generator, text and progress."""
 
     def __init__(self, index: int, prompt: list[int], sampling: Sampling, tokenizer, eos: set[int],
-                 sink: Callable[[Event], None], source: list[int] | None = None, device=None):
+                 sink: Callable[[Event], None], source: list[int] | None = None, device=None, adapter: int = 0):
         self.index, self.prompt, self.source, self.s = index, prompt, source, sampling
+        self.adapter = adapter              # the LoRA adapter its rows use (0: the base; serve/adapters.py)
         self.tokenizer, self.eos, self.sink = tokenizer, eos, sink
         self.text = TextStream(tokenizer, sampling.stop)
         self.generator = make_generator(sampling.seed, device) if sampling.temperature > 0 else None

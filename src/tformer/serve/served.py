@@ -16,6 +16,7 @@ from ..evaluation.batching import length_batches, pad
 from ..evaluation.classify import encode_texts, predict_proba
 from ..generation.settings import eos_ids
 from ..model.pooling import POOLINGS
+from .adapters import Adapters
 
 ENCODER_BATCH = 32          # texts per forward pass of an encoder
 mean_tokens = POOLINGS["mean"]  # the pooling sentence-transformers models were trained with
@@ -42,10 +43,12 @@ class OutputText:
 
 
 class Served:
-    def __init__(self, path: str, name: str | None = None, device: str | None = None):
+    def __init__(self, path: str, name: str | None = None, device: str | None = None, adapters: list[str] = ()):
         directory = resolve(path)
         self.model = load(directory, device)
         self.name = name or Path(path).resolve().name
+        self.adapters = Adapters(self.name)                  # --adapter NAME=RUN: LoRA adapters, chosen per request
+        self.adapters.load(self.model, directory, list(adapters))
         self.kind = self.model.kind
         cfg = self.model.cfg
         self.context = cfg.max_seq_len

@@ -22,7 +22,9 @@ class Options:
     max_queue: int = 256                # sequences waiting for a row; beyond it requests get 429
     api_key: str | None = None          # required as "Authorization: Bearer KEY" on /v1/* when set
     max_body_bytes: int = 1 << 20       # larger request bodies get 413
-    prefill_tokens: int = 256           # prompt tokens fed per scheduler iteration (bounds a step's latency)
+    prefill_tokens: int = 16            # prompt tokens fed per iteration while rows decode: a chunk costs about a
+                                        # GPT-2-small step of 16 rows on a CPU (docs/SERVING.md, "Measured")
+    prefix_cache_mb: float = 256        # bytes (MiB) of prefilled prompt blocks kept for reuse; 0: no prefix cache
 
 
 class State:
@@ -40,7 +42,8 @@ class State:
     def start(self) -> None:
         if self.served.kind in GENERATES:
             self.scheduler = Scheduler(self.served.model, self.options.max_batch, self.options.max_queue,
-                                       self.options.prefill_tokens, self.metrics)
+                                       self.options.prefill_tokens, self.metrics,
+                                       prefix_bytes=int(self.options.prefix_cache_mb * 2**20))
             self.scheduler.start()
         else:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="tformer-encoder")
@@ -53,13 +56,17 @@ class State:
         if self.worker is not None:
             self.worker.shutdown(wait=True)
 
-    def require(self, model: str, kinds: tuple[str, ...], what: str):
-        if model != self.served.name:
-            raise ApiError(404, f"The model {model!r} does not exist (this server serves {self.served.name!r})",
+    def require(self, model: str | None, kinds: tuple[str, ...], what: str) -> int:
+        """The adapter `model` names (0: the base, also when omitted), served at `what`; else 404 / 400."""
+        adapter = self.served.adapters.number(model)
+        if adapter is None:
+            names = ", ".join(map(repr, self.served.adapters.names))
+            raise ApiError(404, f"The model {model!r} does not exist (this server serves {names})",
                            param="model", code="model_not_found")
         if self.served.kind not in kinds:
             raise ApiError(400, f"{what} serves {' and '.join(kinds)} checkpoints; {self.served.name!r} is of kind "
                                 f"{self.served.kind!r}", param="model", code="model_not_supported")
+        return adapter
 
     async def on_encoder(self, fn, *args):
         """Run fn on the encoder thread, at most max_queue requests queued."""

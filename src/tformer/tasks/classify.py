@@ -4,9 +4,12 @@ CSV / TSV / JSONL file. Implements the tformer.training.config.Task protocol.
 
 Every text becomes  [bos] tokens… [eos]  (for a BERT tokenizer bos/eos are [CLS]/[SEP]), cut to
 --max-len tokens; prediction and scoring are evaluation.classify's, shared with `tformer classify`,
-`tformer eval` and the server. The held-out split is a seeded random fraction of the rows; `meta()`
-records how to rebuild it and `ClassifyTask.heldout` rebuilds it, so `tformer eval --model RUN`
-scores exactly the texts the run never trained on.
+`tformer eval` and the server. Three splits (tformer.data.splits): the test split, a fixed random 10%
+of rotten-tomatoes that training never looks at; validation, a random --val-fraction of the rest drawn
+by --seed (validation loss, --keep-best); the rest trains; a text the data repeats is on one side only.
+A user's file is split in two as before (train, validation), unless --test-fraction asks for a test
+split too. `meta()` records how to rebuild them and `ClassifyTask.heldout` rebuilds them, so
+`tformer eval --model RUN` scores the test texts (or --split validation).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import corpora
-from ..data.files import split_rows, step_generator
+from ..data.files import step_generator
+from ..data.splits import apart, three_way
 from ..data.tokenizers import make_tokenizer
 from ..errors import ConfigError, DataError, warn
 from ..evaluation.batching import pad
@@ -27,7 +31,16 @@ from ..evaluation.classify import encode_texts, format_confusion, predict_proba,
 from ..model.heads import EncoderClassifier
 from ..training.config import TrainOptions
 from ..training.options import below_one, option, positive_int
-from .common import arg, dropout_overrides, length_grouped_rows, load_pretrained_encoder, model_config, recorded
+from .common import (
+    arg,
+    dropout_overrides,
+    length_grouped_rows,
+    load_pretrained_encoder,
+    model_config,
+    recorded,
+    split_record,
+    test_fraction_of,
+)
 
 # The default shape (when --preset is not given): the 2-layer, width-128 BERT of the issue's HF
 # reference; on 12k short sentences a bigger model only overfits sooner.
@@ -44,9 +57,12 @@ def load_data(data: str | None, text_column: str = "text", label_column: str = "
     return corpora.read_labelled(data, text_column, label_column, errors)
 
 
-def split(data: corpora.LabelledTexts, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Indices of the training and held-out rows (a seeded permutation; the same for eval)."""
-    return split_rows(list(range(len(data.texts))), val_fraction, seed)
+def splits(data: corpora.LabelledTexts, val_fraction: float, test_fraction: float,
+           seed: int) -> dict[str, list[int]]:
+    """Indices of the train / validation / test rows (tformer.data.splits), each text on one side only;
+    test_fraction 0: a seeded permutation's two (data.files.split_rows), no test."""
+    rows = three_way(range(len(data.texts)), val_fraction, test_fraction, seed)
+    return rows if test_fraction == 0 else apart(rows, data.texts.__getitem__)
 
 
 def drop_tokens(seq: list[int], p: float, generator) -> list[int]:
@@ -106,17 +122,20 @@ class ClassifyTask:
 
     @classmethod
     def heldout(cls, meta: dict[str, Any], data: str | None = None, text_column: str | None = None,
-                label_column: str | None = None) -> tuple[list[str], list[str]]:
-        """(texts, label names) that `tformer eval` scores: the rows of `data`, whole; else the run's held-out
-        split, rebuilt from what `meta()` recorded (this task's defaults for what it did not). The columns
-        given override the run's."""
+                label_column: str | None = None, split: str = "test") -> tuple[list[str], list[str]]:
+        """(texts, label names) that `tformer eval` scores: the rows of `data`, whole; else the run's `split`
+        (test, validation; "held-out": the one held-out split of a run from before test splits), rebuilt
+        from what `meta()` recorded (this task's defaults for what it did not). The columns given override
+        the run's."""
         columns = (text_column or recorded(cls, meta, "text_column"),
                    label_column or recorded(cls, meta, "label_column"))
         if data is not None:
             whole = load_data(data, *columns)
             return whole.texts, whole.labels
         whole = load_data(recorded(cls, meta, "data"), *columns)
-        _, rows = split(whole, recorded(cls, meta, "val_fraction"), recorded(cls, meta, "seed"))
+        test = meta.get("heldout", {}).get("test_fraction", 0.0)   # not recorded: no test split
+        rows = splits(whole, recorded(cls, meta, "val_fraction"), test, recorded(cls, meta, "seed"))
+        rows = rows["validation" if split == "held-out" else split]
         return [whole.texts[i] for i in rows], [whole.labels[i] for i in rows]
 
     def __init__(self, opts: ClassifyOptions, tokenizer=None, init: str | None = None):
@@ -124,6 +143,7 @@ class ClassifyTask:
         self.seed = opts.seed
         self.val_fraction = opts.val_fraction
         self.data_name = arg(opts, "data", "rotten-tomatoes")
+        self.test_fraction = test_fraction_of(opts, self.data_name in corpora.CLASSIFY_CORPORA)
         self.columns = (opts.text_column, opts.label_column)
         data = load_data(self.data_name, *self.columns, errors=opts.errors)
         self.label_names = sorted(set(data.labels))
@@ -131,11 +151,12 @@ class ClassifyTask:
             raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); "
                             "classification needs two or more")
         label_id = {name: i for i, name in enumerate(self.label_names)}
-        train_idx, val_idx = split(data, self.val_fraction, self.seed)
-        unseen = sorted(set(data.labels[i] for i in val_idx) - set(data.labels[i] for i in train_idx))
+        rows = splits(data, self.val_fraction, self.test_fraction, self.seed)
+        train_idx, val_idx = rows["train"], rows["validation"]   # the test rows stay unread until `tformer eval`
+        unseen = sorted(set(data.labels[i] for i in val_idx + rows["test"]) - set(data.labels[i] for i in train_idx))
         if unseen:
             raise DataError(f"label(s) {', '.join(map(repr, unseen))} occur only in the held-out split, never in "
-                            "training (add more examples of them, or lower --val-fraction)")
+                            "training (add more examples of them, or lower --val-fraction / --test-fraction)")
         self.init = init if init is not None else arg(opts, "init")  # on --resume the CLI passes init=None
         self.token_dropout = arg(opts, "token_dropout", 0.0 if self.init is not None else 0.1)
         if not 0.0 <= self.token_dropout < 1.0:
@@ -207,16 +228,17 @@ class ClassifyTask:
     def meta(self) -> dict[str, Any]:
         return {"labels": self.label_names, "max_len": self.max_len, "init": self.init, "pooling": self.pooling,
                 "token_dropout": self.token_dropout, "freeze_embeddings": self.freeze_embeddings,
-                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
-                            "text_column": self.columns[0], "label_column": self.columns[1]}}
+                "heldout": {"data": self.data_name, **split_record(self.val_fraction, self.test_fraction),
+                            "seed": self.seed, "text_column": self.columns[0], "label_column": self.columns[1]}}
 
     def report(self, model, out_dir=None) -> str:
-        """The final held-out report: accuracy, macro-F1, the confusion matrix (and confusion.png)."""
+        """The final report on the validation split (the test split is `tformer eval`'s): accuracy, macro-F1,
+        the confusion matrix (and confusion.png)."""
         s = score(model, self.tokenizer, self.val_texts, self.val_labels, self.max_len, self.label_names)
         if out_dir is not None:
             write_confusion_png(s["confusion"], self.label_names, out_dir)
-        return (f"held-out ({len(self.val_labels)} texts): accuracy {s['accuracy']:.4f}  macro-F1 {s['macro_f1']:.4f}\n"
-                + format_confusion(s["confusion"], self.label_names))
+        return (f"validation ({len(self.val_labels)} texts): accuracy {s['accuracy']:.4f}  "
+                f"macro-F1 {s['macro_f1']:.4f}\n" + format_confusion(s["confusion"], self.label_names))
 
 
 def write_confusion_png(matrix, labels, out_dir) -> None:

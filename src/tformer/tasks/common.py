@@ -8,8 +8,11 @@ from typing import Any
 
 import torch
 
+from ..data.splits import TEST_SEED
 from ..errors import CheckpointError, ConfigError
 from ..model.config import PRESETS, ModelConfig
+
+BUILTIN_TEST_FRACTION = 0.1   # a built-in data set's test split; a user's file has none unless --test-fraction
 
 
 def arg(opts, name: str, default: Any = None) -> Any:
@@ -25,6 +28,32 @@ def recorded(task: type, meta: dict[str, Any], key: str) -> Any:
     if key in held:
         return held[key]
     return task.default_data if key == "data" else getattr(task.Options, key)
+
+
+def test_fraction_of(opts, builtin: bool) -> float:
+    """--test-fraction, else BUILTIN_TEST_FRACTION on built-in data and 0 (no test split) on a user's file."""
+    return float(arg(opts, "test_fraction", BUILTIN_TEST_FRACTION if builtin else 0.0))
+
+
+def split_record(val_fraction: float, test_fraction: float) -> dict[str, Any]:
+    """What meta() records of a run's three splits (tformer.data.splits), so `tformer eval` can rebuild them."""
+    return {"val_fraction": val_fraction, "test_fraction": test_fraction, "test_seed": TEST_SEED}
+
+
+def eval_split(held: dict[str, Any], asked: str | None) -> str:
+    """The split `tformer eval` scores of a run whose split_record() is in `held`: `asked` (validation or
+    test), by default test where the run has one, else validation. A run recorded before test splits (no
+    test_seed) has one held-out split, which also validated it: "held-out", for either but test."""
+    if "test_seed" not in held:
+        if asked == "test":
+            raise ConfigError("this run was trained before tformer kept a test split apart: it has one held-out "
+                              "split, which also validated it (score it with --split validation, or pass --data)")
+        return "held-out"
+    has_test = float(held.get("test_fraction", 0.0)) > 0.0
+    if asked == "test" and not has_test:
+        raise ConfigError("this run has no test split (--test-fraction 0, the default for a user's file): score "
+                          "--split validation, or pass --data with a file of its own")
+    return asked or ("test" if has_test else "validation")
 
 
 def length_grouped_rows(order: list[int], batch_size: int, generator) -> list[int]:

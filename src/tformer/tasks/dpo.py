@@ -49,8 +49,10 @@ SIDES = ("chosen", "rejected")
 
 
 # The walk-through's third step: rank-8 adapters (the reference is the base with them off), 300 steps of 8
-# pairs. Chosen on the validation split among LoRA at 2e-4 and 5e-4 and full fine-tuning at 5e-5 to 5e-4:
-# none raised the validation preference accuracy; this one lowered the task figures least
+# pairs. Chosen on the validation split among LoRA at 2e-4 and 5e-4, LoRA on every projection at 1e-3 and full
+# fine-tuning at 5e-5 to 5e-4: none raised the validation preference accuracy (most translation and continue
+# pairs the SFT model gets wrong have the shorter wrong reply, which a summed log-probability favours by many
+# nats); this one lowered the task figures least, LoRA at 1e-3 on every projection broke the replies' form
 # (BENCHMARKS.md, "The assistant walk-through").
 INSTRUCT = {"lora_r": 8, "batch_size": 8, "lr": 2e-4, "warmup": 10, "weight_decay": 0.0, "max_steps": 300,
             "eval_every": 100}

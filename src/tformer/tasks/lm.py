@@ -1,10 +1,14 @@
 """Language modelling: a decoder learns to predict the next token of a text (the reference Task;
 see tformer.training.config for the protocol).
 
-Data: the built-in `hamlet` or a UTF-8 text file; the first 90% trains, the last 10% validates.
-Validation loss is the mean cross-entropy over the WHOLE validation split, cut into consecutive,
-non-overlapping windows of the context length (every validation token predicted exactly once):
-evaluation.lm.mean_loss, which `tformer eval` calls on the text `LMTask.heldout` gives it.
+Data: the built-in `hamlet` or a UTF-8 text file, cut in consecutive parts (tformer.data.splits): on
+hamlet the first 80% trains, the next 10% validates (validation loss, --keep-best) and the last 10% is
+the test split, which `tformer eval` scores and training never looks at; a user's file (and
+tformer-instruct, whose test split is `tformer eval --data tformer-instruct`'s) is cut in two as before,
+the first 90% training and the last 10% validating, unless --test-fraction asks for a test part too.
+A loss is the mean cross-entropy over the WHOLE split, cut into consecutive, non-overlapping windows
+of the context length (every token predicted exactly once): evaluation.lm.mean_loss, which `tformer
+eval` calls on the text `LMTask.heldout` gives it.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..data import instruct
-from ..data.files import lm_batch, read_text, split_text
+from ..data.files import lm_batch, read_text
+from ..data.splits import split_text3
 from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError
 from ..evaluation.lm import mean_loss
@@ -25,7 +29,7 @@ from ..generation.settings import TEXT_DEFAULTS
 from ..model.config import PRESETS, preset
 from ..training.config import TrainOptions
 from ..training.options import option
-from .common import dropout_overrides
+from .common import dropout_overrides, split_record, test_fraction_of
 
 
 @dataclass
@@ -68,23 +72,27 @@ class LMTask:
         return {"tokenizer": "char", "vocab_size": 2000, "preset": "small", **(HAMLET if data == "hamlet" else {})}
 
     @classmethod
-    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> str | None:
-        """The text `tformer eval` scores: the file `data`, whole; else the run's validation text, cut from the
-        data `meta()` recorded as training cut it (the last val_fraction; this task's default when not
-        recorded). None: the checkpoint records no training data."""
+    def heldout(cls, meta: dict[str, Any], data: str | None = None, split: str = "test") -> str | None:
+        """The text `tformer eval` scores: the file `data`, whole; else the run's `split` (test, validation;
+        "held-out": the validation text of a run from before test splits), cut from the data `meta()`
+        recorded as training cut it (this task's defaults when not recorded). None: the checkpoint records
+        no training data."""
         if data is not None:
             return instruct.pretraining_text() if data == instruct.NAME else read_text(data)
         if "data" not in meta:
             return None
         text = instruct.pretraining_text() if meta["data"] == instruct.NAME else read_text(meta["data"])
-        return split_text(text, meta.get("val_fraction", cls.Options.val_fraction))[1]
+        parts = split_text3(text, meta.get("val_fraction", cls.Options.val_fraction), meta.get("test_fraction", 0.0))
+        return parts["validation" if split == "held-out" else split]
 
     def __init__(self, opts: LMOptions, tokenizer: Tokenizer | None = None, init: str | None = None):
         self.opts = opts
         self.seed, self.batch_size = opts.seed, opts.batch_size
         self.init = init
         text = instruct.pretraining_text() if opts.data == instruct.NAME else read_text(opts.data, errors=opts.errors)
-        self.train_text, self.val_text = split_text(text, opts.val_fraction)
+        self.test_fraction = test_fraction_of(opts, opts.data == "hamlet")
+        parts = split_text3(text, opts.val_fraction, self.test_fraction)
+        self.train_text, self.val_text = parts["train"], parts["validation"]   # the test part stays unread
         if tokenizer is None and init is not None:
             from ..checkpoints.format import load_tokenizer
             tokenizer = load_tokenizer(init)
@@ -144,8 +152,7 @@ class LMTask:
         return {"input_ids": x, "labels": y}
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        logits = model(batch["input_ids"])                                       # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        return model(batch["input_ids"], labels=batch["labels"])   # cross-entropy, logits never whole (lm_loss.py)
 
     def tokens(self, batch: dict[str, Tensor]) -> int:
         return batch["input_ids"].numel()
@@ -158,7 +165,7 @@ class LMTask:
 
     def meta(self) -> dict[str, Any]:
         return {"data": str(self.opts.data), "tokenizer": self.tokenizer.kind, "context": self.context,
-                "val_fraction": self.opts.val_fraction}
+                **split_record(self.opts.val_fraction, self.test_fraction)}
 
 
 def sample_text(model: nn.Module, tokenizer: Tokenizer, prompt: str,

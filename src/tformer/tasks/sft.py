@@ -191,8 +191,8 @@ class SFTTask:
         return self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0  # never a label (IGNORE)
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        logits = model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"])   # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE)
+        # the mean cross-entropy over the trained tokens (IGNORE = the model's -100), logits never whole (lm_loss.py)
+        return model(batch["input_ids"], segment_mask(batch["segments"]), batch["positions"], labels=batch["labels"])
 
     def tokens(self, batch: dict[str, Tensor]) -> int:
         return int((batch["segments"] > 0).sum())

@@ -11,9 +11,13 @@ time a word takes the label predicted at its first piece.
     target    -     B   I   -     -       O -   -          (- = ignored)
 
 Prediction and scoring (a word past --max-len is predicted O, and still counts; entity-level
-scores) are evaluation.tag's, shared with `tformer tag` and `tformer eval`. The held-out split is a
-seeded random share of the sentences; `meta()` records how to rebuild it and `TagTask.heldout`
-rebuilds it, so `tformer eval --model RUN` scores the sentences the run never trained on.
+scores) are evaluation.tag's, shared with `tformer tag` and `tformer eval`. Three splits of wnut16
+(tformer.data.splits): test, a fixed random 10% of the tweets that training never looks at (wnut16 ships
+only the shared task's training set, so its own dev / test sets are not at hand); validation, a random
+--val-fraction of the rest drawn by --seed (validation F1, --keep-best); the rest trains; a tweet the data
+repeats is on one side only. A user's CoNLL file is split in two as before (train, validation), unless
+--test-fraction asks for a test split too. `meta()` records how to rebuild them and `TagTask.heldout`
+rebuilds them, so `tformer eval --model RUN` scores the test sentences (or --split validation).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 
 from ..data import corpora
 from ..data.files import split_rows, step_generator
+from ..data.splits import apart, three_way
 from ..data.tokenizers import Tokenizer, make_tokenizer
 from ..errors import ConfigError, DataError, warn
 from ..evaluation import metrics
@@ -40,7 +45,16 @@ from ..training.options import option, positive_int
 # The default shape (when --preset is not given), vocabulary and length are classification's (the
 # 2-layer, width-128 BERT): 2,400 tweets are too few for more.
 from .classify import DEFAULT_MAX_LEN, DEFAULT_MODEL, DEFAULT_VOCAB
-from .common import arg, dropout_overrides, length_grouped_rows, load_pretrained_encoder, model_config, recorded
+from .common import (
+    arg,
+    dropout_overrides,
+    length_grouped_rows,
+    load_pretrained_encoder,
+    model_config,
+    recorded,
+    split_record,
+    test_fraction_of,
+)
 
 IGNORE = -100  # the target of pieces that carry no label (F.cross_entropy's ignore_index)
 
@@ -55,6 +69,14 @@ def load_data(data: str | None, errors: str = "strict") -> corpora.TaggedSentenc
 def split(data: corpora.TaggedSentences, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Indices of the training and held-out sentences (a seeded permutation; the same for eval)."""
     return split_rows(list(range(len(data.words))), val_fraction, seed)
+
+
+def splits(data: corpora.TaggedSentences, val_fraction: float, test_fraction: float,
+           seed: int) -> dict[str, list[int]]:
+    """Indices of the train / validation / test sentences (tformer.data.splits), each sentence's words on
+    one side only; test_fraction 0: `split`'s two, no test."""
+    rows = three_way(range(len(data.words)), val_fraction, test_fraction, seed)
+    return rows if test_fraction == 0 else apart(rows, lambda i: tuple(data.words[i]))
 
 
 def select(data: corpora.TaggedSentences, rows: list[int]) -> corpora.TaggedSentences:
@@ -102,13 +124,16 @@ class TagTask:
     Options = TagOptions
 
     @classmethod
-    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> corpora.TaggedSentences:
-        """The sentences `tformer eval` scores: those of `data`, whole; else the run's held-out split,
-        rebuilt from what `meta()` recorded (this task's defaults for what it did not)."""
+    def heldout(cls, meta: dict[str, Any], data: str | None = None, split: str = "test") -> corpora.TaggedSentences:
+        """The sentences `tformer eval` scores: those of `data`, whole; else the run's `split` (test,
+        validation; "held-out": the one held-out split of a run from before test splits), rebuilt from what
+        `meta()` recorded (this task's defaults for what it did not)."""
         if data is not None:
             return load_data(data)
         whole = load_data(recorded(cls, meta, "data"))
-        return select(whole, split(whole, recorded(cls, meta, "val_fraction"), recorded(cls, meta, "seed"))[1])
+        test = meta.get("heldout", {}).get("test_fraction", 0.0)   # not recorded: no test split
+        rows = splits(whole, recorded(cls, meta, "val_fraction"), test, recorded(cls, meta, "seed"))
+        return select(whole, rows["validation" if split == "held-out" else split])
 
     def __init__(self, opts: TagOptions, tokenizer=None, init: str | None = None):
         if importlib.util.find_spec("seqeval") is None:
@@ -117,13 +142,15 @@ class TagTask:
         self.seed = arg(opts, "seed", 0)
         self.val_fraction = arg(opts, "val_fraction", 0.1)
         self.data_name = arg(opts, "data", "wnut16")
+        self.test_fraction = test_fraction_of(opts, self.data_name in corpora.TAG_CORPORA)
         data = load_data(self.data_name, errors=arg(opts, "errors", "strict"))
-        # Labels of both splits: a type seen only in held-out sentences is still one to predict.
+        # Labels of every split: a type seen only in held-out sentences is still one to predict.
         self.label_names = label_set(data.labels)
         if len(self.label_names) < 2:
             raise DataError(f"{data.name} has only one label ({self.label_names[0]!r}); tagging needs two or more")
         label_id = {name: i for i, name in enumerate(self.label_names)}
-        train_idx, val_idx = split(data, self.val_fraction, self.seed)
+        rows = splits(data, self.val_fraction, self.test_fraction, self.seed)
+        train_idx, val_idx = rows["train"], rows["validation"]   # the test rows stay unread until `tformer eval`
         self.init = init if init is not None else arg(opts, "init")  # on --resume the CLI passes init=None
         self.pretrained = None
         if init is not None and tokenizer is None:
@@ -193,11 +220,13 @@ class TagTask:
 
     def meta(self) -> dict[str, Any]:
         return {"labels": self.label_names, "max_len": self.max_len, "init": self.init,
-                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed}}
+                "heldout": {"data": self.data_name, **split_record(self.val_fraction, self.test_fraction),
+                            "seed": self.seed}}
 
     def report(self, model, out_dir=None) -> str:
-        """The final held-out report: entity precision / recall / F1, overall and per type."""
+        """The final report on the validation split (the test split is `tformer eval`'s): entity precision /
+        recall / F1, overall and per type."""
         s = score(model, self.tokenizer, self.val_words, self.val_labels, self.max_len)
-        return (f"held-out ({len(self.val_words)} sentences): entity precision {s['precision']:.4f}  "
+        return (f"validation ({len(self.val_words)} sentences): entity precision {s['precision']:.4f}  "
                 f"recall {s['recall']:.4f}  F1 {s['f1']:.4f}\n"
                 + metrics.entity_report(s["predicted"], self.val_labels))

@@ -3,8 +3,12 @@ the decoder writes the target left to right, attending to the encoder's output i
 Implements the tformer.training.config.Task protocol.
 
 Data: `numbers-fr-en` (default; French number words -> English, generated on the fly: each step
-draws fresh numbers, never one of the held-out numbers), `bible-en-es` (held out: whole chapters),
-or a user's TSV (source<TAB>target) / JSONL ({"source", "target"}) file (held out: random pairs).
+draws fresh numbers, never a validation or test number; --heldout-numbers of each), `bible-en-es`
+(held out: whole chapters, 10% for validation and another 10%, the same for every --seed, for test), or
+a user's TSV (source<TAB>target) / JSONL ({"source", "target"}) file (held out: random pairs; two splits,
+train and validation, unless --test-fraction asks for a test split too). tformer.data.splits draws the
+splits; a source sentence the data repeats is on one side only. Validation is what training looks at
+(validation loss and BLEU, --keep-best); test is what `tformer eval` reports.
 
 Sequences (one shared BPE vocabulary for both languages, so the embedding is shared too; with
 --separate-vocab one BPE vocabulary per language, the source read by the encoder's own embedding):
@@ -13,7 +17,7 @@ Sequences (one shared BPE vocabulary for both languages, so the embedding is sha
     labels          t1 t2 … [eos]        (cross-entropy with label smoothing; padding ignored)
 
 Translating and scoring are evaluation.translate's, shared with `tformer translate` and `tformer eval`;
-`TranslateTask.heldout` rebuilds a run's held-out pairs for `tformer eval`.
+`TranslateTask.heldout` rebuilds a run's test (or validation) pairs for `tformer eval`.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from torch import Tensor, nn
 
 from ..data import corpora
 from ..data.files import split_rows, step_generator
+from ..data.splits import apart, three_way
 from ..errors import ConfigError, DataError, warn
 from ..evaluation.translate import IGNORE, collate, encode_pairs, score, translate
 from ..model.models import EncoderDecoder
 from ..training.config import TrainOptions
 from ..training.options import below_one, option, positive_int
-from .common import arg, length_grouped_rows, model_config, recorded
+from .common import arg, length_grouped_rows, model_config, recorded, split_record, test_fraction_of
 
 BUILTIN = ("numbers-fr-en", "bible-en-es")  # the data sets held out by name (not a user's file)
 # The default shape (when --preset is not given): 2 + 2 layers of width 128, the HF Marian reference's
@@ -65,13 +70,37 @@ def load_split(data: str, val_fraction: float, seed: int, heldout_numbers: int =
     return pick(train), pick(test), None
 
 
+def load_splits(data: str, val_fraction: float, test_fraction: float, seed: int, heldout_numbers: int = 1000,
+                errors: str = "strict") -> tuple[dict[str, Any], set[int] | None]:
+    """({"train": (sources, targets), None for numbers; "validation", "test": (sources, targets), test empty
+    without a test split}, the held-out numbers or None). test_fraction 0: `load_split`'s two splits."""
+    if test_fraction == 0:
+        train, val, numbers = load_split(data, val_fraction, seed, heldout_numbers, errors)
+        return {"train": train, "validation": val, "test": ([], [])}, numbers
+    if data == "numbers-fr-en":
+        held = dict(zip(("validation", "test"), corpora.numbers_splits(heldout_numbers, seed)))
+        pairs = {name: [number_pair(n) for n in ns] for name, ns in held.items()}
+        return ({"train": None, **{name: ([p[0] for p in ps], [p[1] for p in ps]) for name, ps in pairs.items()}},
+                set(held["validation"]) | set(held["test"]))
+    pairs = corpora.bible_en_es() if data == "bible-en-es" else corpora.read_pairs(data, errors)
+    if pairs.groups:   # whole chapters
+        chapters = {name: set(gs) for name, gs in three_way(sorted(set(pairs.groups)), val_fraction, test_fraction,
+                                                                seed).items()}
+        rows = {name: [i for i, g in enumerate(pairs.groups) if g in gs] for name, gs in chapters.items()}
+    else:
+        rows = three_way(range(len(pairs.sources)), val_fraction, test_fraction, seed)
+    rows = apart(rows, pairs.sources.__getitem__)
+    pick = lambda idx: ([pairs.sources[i] for i in idx], [pairs.targets[i] for i in idx])  # noqa: E731
+    return {name: pick(idx) for name, idx in rows.items()}, None
+
+
 @dataclass
 class TranslateOptions(TrainOptions):
     title = "translation (--task translate)"
     label_smoothing: float = option(0.1, "spread this much target probability over the vocabulary (default: 0.1, "
                                     "as in 2017)", type=below_one)
-    heldout_numbers: int = option(1000, "numbers-fr-en: how many random numbers are held out, never trained on "
-                                  "(default: 1000)", type=positive_int)
+    heldout_numbers: int = option(1000, "numbers-fr-en: how many random numbers are held out for validation, and "
+                                  "as many for test, never trained on (default: 1000)", type=positive_int)
     eval_sentences: int = option(200, "held-out sentences translated (greedy) at each validation for BLEU/chrF/exact "
                                  "match; val_loss always uses all (default: 200)", type=positive_int)
     separate_vocab: bool = option(False, "train one BPE vocabulary per language instead of one shared (default: "
@@ -103,16 +132,18 @@ class TranslateTask:
         return {"vocab_size": 8000}
 
     @classmethod
-    def heldout(cls, meta: dict[str, Any], data: str | None = None) -> tuple[list[str], list[str]]:
+    def heldout(cls, meta: dict[str, Any], data: str | None = None, split: str = "test") -> tuple[list[str], list[str]]:
         """(sources, targets) that `tformer eval` scores: the pairs of a user's file `data`, whole; else the
-        held-out pairs of the run's data set (or of the built-in `data` named), rebuilt from what `meta()`
-        recorded (this task's defaults for what it did not)."""
+        run's `split` (test, validation; "held-out": the one held-out split of a run from before test splits)
+        of the run's data set (or of the built-in `data` named), rebuilt from what `meta()` recorded (this
+        task's defaults for what it did not)."""
         if data is not None and data not in BUILTIN:
             pairs = corpora.read_pairs(data)
             return pairs.sources, pairs.targets
-        _, held, _ = load_split(data or recorded(cls, meta, "data"), recorded(cls, meta, "val_fraction"),
-                                recorded(cls, meta, "seed"), recorded(cls, meta, "heldout_numbers"))
-        return held
+        test = meta.get("heldout", {}).get("test_fraction", 0.0)   # not recorded: no test split
+        held, _ = load_splits(data or recorded(cls, meta, "data"), recorded(cls, meta, "val_fraction"), test,
+                              recorded(cls, meta, "seed"), recorded(cls, meta, "heldout_numbers"))
+        return held["validation" if split == "held-out" else split]
 
     def __init__(self, opts: TranslateOptions, tokenizer=None, init: str | None = None, source_tokenizer=None):
         if init is not None:
@@ -127,8 +158,10 @@ class TranslateTask:
         self.eval_sentences = opts.eval_sentences
         self.heldout_numbers = opts.heldout_numbers
         self.batch_size = opts.batch_size
-        train, self.val, self.heldout_set = load_split(self.data_name, self.val_fraction, self.seed,
-                                                       self.heldout_numbers, opts.errors)
+        self.test_fraction = test_fraction_of(opts, self.data_name in BUILTIN)
+        held, self.heldout_set = load_splits(self.data_name, self.val_fraction, self.test_fraction, self.seed,
+                                             self.heldout_numbers, opts.errors)
+        train, self.val = held["train"], held["validation"]   # the test pairs stay unread until `tformer eval`
         self.separate_vocab = opts.separate_vocab
         if tokenizer is None:
             sources, targets = train if train is not None else self._number_texts(4000)
@@ -202,8 +235,8 @@ class TranslateTask:
 
     def meta(self) -> dict[str, Any]:
         return {"max_len": self.max_len, "label_smoothing": self.label_smoothing, "separate_vocab": self.separate_vocab,
-                "heldout": {"data": self.data_name, "val_fraction": self.val_fraction, "seed": self.seed,
-                            "heldout_numbers": self.heldout_numbers}}
+                "heldout": {"data": self.data_name, **split_record(self.val_fraction, self.test_fraction),
+                            "seed": self.seed, "heldout_numbers": self.heldout_numbers}}
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):

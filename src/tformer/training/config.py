@@ -21,10 +21,11 @@ The Task protocol (see `Task` below; `tformer.tasks.lm.LMTask` is the reference 
             # best measured recipe. A flag the user gives wins; options neither sets keep the field's
             # default. `tformer train` prints what the recipe chose (see `resolve_options`).
         @classmethod
-        def heldout(cls, meta, data=None, ...)
-            # what `tformer eval` scores: the file `data` whole, else the run's held-out split rebuilt
-            # from what meta() recorded (the task's own defaults, default_data and its Options fields'
-            # defaults, for what it did not record), exactly the rows `evaluate` scored in training.
+        def heldout(cls, meta, data=None, ..., split="test")
+            # what `tformer eval` scores: the file `data` whole, else the run's `split` rebuilt from what
+            # meta() recorded (the task's own defaults, default_data and its Options fields' defaults, for
+            # what it did not record): "validation" the rows `evaluate` scored in training, "test" those
+            # never looked at (tformer.data.splits), "held-out" a run's one split from before test splits.
         def __init__(self, opts, tokenizer=None, init=None):
             # opts: an Options instance (common fields: data, preset, tokenizer, vocab_size, context,
             #   dropout, batch_size, seed, val_fraction, init, ...).
@@ -244,6 +245,10 @@ class TrainOptions(TrainConfig):
     errors: str = option("strict", "bytes in --data that are not UTF-8: stop with an error naming the byte "
                          "(default), or read them as U+FFFD", choices=("strict", "replace"))
     val_fraction: float = option(0.1, "share of the data held out for validation (default 0.1)", type=fraction)
+    test_fraction: float | None = option(
+        None, "share of the data held out as the test split, which `tformer eval` scores and training never sees "
+        "(default: 0.1 on built-in data, 0 = none on a user's file; not sft / dpo: tformer-instruct has its own)",
+        type=below_one)
     init: str | None = option(None, "start from the weights (and tokenizer) of this checkpoint", metavar="DIR")
     resume: str | None = option(None, "continue the run in DIR (a run or checkpoint directory)", metavar="DIR")
 

@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoints.adapter import base_dir, read_adapter_config
 from ..checkpoints.format import WEIGHTS, load, load_state, read_config, read_safetensors, unique_state_dict
 from ..errors import CheckpointError
-from ..inference.quant import quantize_int8
+from ..inference.int8_embedding import quantize_base
 from ..model.lora import apply_lora
 from .config import Task, TrainConfig
 from .rundir import RunDir
@@ -44,7 +44,7 @@ def same_model(model: nn.Module, init: str | None) -> Path | None:
 def add_adapters(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """`model` frozen (int8 with --lora-int8) under adapters as cfg's --lora-* options say; in place."""
     if cfg.lora_int8:
-        quantize_int8(model)
+        quantize_base(model)                  # linear layers and token embeddings int8
     return apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets.split(","),
                       cfg.lora_rslora)
 

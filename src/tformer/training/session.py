@@ -80,6 +80,7 @@ def resumed_options(resume: str | os.PathLike, options: dict[str, Any]) -> tuple
         raise ConfigError(f"--resume continues the saved run; these flags cannot change: "
                           f"{', '.join('--' + c.replace('_', '-') for c in clash)}")
     saved = {k: v for k, v in state.get("args", {}).items() if k not in once}
+    saved.setdefault("test_fraction", 0.0)   # a run from before test splits goes on with its one held-out split
     merged = {**options, **saved, **{k: options[k] for k in given}}
     return {**merged, "out": str(run_dir_of(ckpt))}, str(ckpt)
 

@@ -1,0 +1,237 @@
+"""`tformer serve` side by side with llama.cpp's server and `transformers serve` (issue 48): same
+weights, same precision (fp32), same machine, 16 clients (a benchmark, not a test).
+
+    make llama-server                                   # llama.cpp's server, built from llama-cpp-python's
+                                                        # source package (~10 minutes on 2 cores, once)
+    .venv/bin/python benchmarks/serve_peers.py [--rounds 3] [--requests 48] [--max-tokens 64] [--json out.json]
+
+The model: a Llama-shaped decoder of GPT-2-small's size (12 layers, width 768, 12 heads, SwiGLU 2,048,
+rotary positions, untied output layer) with random weights, and a byte-level BPE tokenizer of 8,000
+pieces trained on the shipped Hamlet. It is written three ways from the same tensors: tformer's
+checkpoint, a GGUF file (`tformer.to_gguf`, F32) and a Hugging Face directory (`tformer.to_hf`,
+LlamaForCausalLM). Each engine runs in its own process on 127.0.0.1 with its documented settings for
+concurrent serving:
+
+    tformer       tformer serve --max-batch 16
+    llama.cpp     llama-server --parallel 16 --ctx-size 16384 (1,024 per slot, continuous batching is its
+                  default) --threads N --threads-batch N (N = the cores)
+    transformers  transformers serve --continuous-batching --device cpu --dtype float32
+
+The load: `--requests` prompts of 16-256 words of Hamlet (seeded; the same text for every engine),
+streamed `/v1/completions`, greedy, `--max-tokens` new tokens each (llama.cpp: `ignore_eos`; the model
+has no EOS in tformer's and HF's config, so none stops early), by 16 concurrent clients. Per engine:
+aggregate generated tokens/s (completion tokens from the stream's usage, else the stream's chunks) and
+time to first token (p50). Rounds alternate the engines (tformer, llama.cpp, transformers, tformer, ...)
+so load from other processes hits all alike; printed: each round's figures and the ratios
+tformer / peer per round, with their median and range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "llama-server"
+CLIENTS = 16
+SHAPE = dict(n_layers=12, d_model=768, n_heads=12, d_ff=2048, positional="rope", norm="rmsnorm",
+             activation="swiglu", bias=False, tie_embeddings=False, max_seq_len=1024, dropout=0.0, attn_dropout=0.0)
+
+
+def build(work: Path) -> dict[str, Path]:
+    """The same random model as a tformer checkpoint, a GGUF file and a Hugging Face directory."""
+    import torch
+
+    import tformer
+    from tformer.data.files import read_text
+    from tformer.data.tokenizers import Tokenizer
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
+
+    text = read_text("hamlet")
+    tokenizer = Tokenizer.train_bpe(text, 8000)
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind="decoder", vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id,
+                      bos_token_id=tokenizer.bos_id, eos_token_id=None, **SHAPE)
+    model = Decoder(cfg).eval()
+    paths = {"tformer": tformer.save(model, work / "tformer", tokenizer=tokenizer),
+             "gguf": tformer.to_gguf(model, work / "model.gguf", tokenizer=tokenizer, type="f32"),
+             "hf": tformer.to_hf(model, work / "hf", tokenizer=tokenizer)}
+    words = text.split()
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(256):
+        n, start = rng.randint(16, 256), rng.randrange(len(words) - 300)
+        prompts.append(" ".join(words[start:start + n]))
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    return paths
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(engine: str, work: Path, log) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cores = str(os.cpu_count())
+    if engine == "tformer":
+        cmd = [sys.executable, "-m", "tformer", "serve", "--model", str(work / "tformer"), "--port", str(port),
+               "--max-batch", str(CLIENTS), "--max-queue", "1024", "--name", "model"]
+    elif engine == "llama.cpp":
+        cmd = [str(LLAMA_SERVER), "-m", str(work / "model.gguf"), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(CLIENTS), "--ctx-size", str(CLIENTS * SHAPE["max_seq_len"]),
+               "--threads", cores, "--threads-batch", cores, "--alias", "model"]
+    else:
+        cmd = [str(Path(sys.executable).parent / "transformers"), "serve", str(work / "hf"), "--host", "127.0.0.1",
+               "--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+               "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TFORMER_API_KEY": ""})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{engine} exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{engine} did not start in 300 s; see {log.name}")
+
+
+def stream(base: str, engine: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if engine == "llama.cpp":
+        body["ignore_eos"] = True
+    out = {"start": time.perf_counter(), "first": None, "chunks": 0, "tokens": None, "error": None}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=900) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+                return out
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    out["first"] = out["first"] or time.perf_counter()
+                    out["chunks"] += 1
+                if chunk.get("usage"):
+                    out["tokens"] = chunk["usage"].get("completion_tokens")
+    except httpx.HTTPError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["end"] = time.perf_counter()
+    return out
+
+
+def load(base: str, engine: str, model: str, prompts: list[str], max_tokens: int) -> dict:
+    results, lock, queue = [], threading.Lock(), list(prompts)
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt = queue.pop(0)
+            r = stream(base, engine, model, prompt, max_tokens)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["error"] is None]
+    tokens = sum(r["tokens"] if r["tokens"] is not None else r["chunks"] for r in ok)
+    ttft = sorted(r["first"] - r["start"] for r in ok if r["first"])
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_s": statistics.median(ttft) if ttft else float("nan"),
+            "errors": [r["error"] for r in results if r["error"]][:3], "n_errors": len(results) - len(ok)}
+
+
+def model_name(base: str) -> str:
+    return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--engines", default="tformer,llama.cpp,transformers")
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+    engines = opts.engines.split(",")
+    if "llama.cpp" in engines and not LLAMA_SERVER.exists():
+        raise SystemExit(f"{LLAMA_SERVER} is missing: run `make llama-server` first (or --engines without llama.cpp)")
+    work = Path(tempfile.mkdtemp(prefix="serve-peers-"))
+    try:
+        build(work)
+        prompts = json.loads((work / "prompts.json").read_text())[:opts.requests]
+        print(f"CPU: {cpu()}, {os.cpu_count()} cores; {len(prompts)} requests x {opts.max_tokens} tokens, "
+              f"{CLIENTS} clients; work in {work}", flush=True)
+        rounds = []
+        for k in range(opts.rounds):
+            row = {}
+            for engine in engines:
+                with open(work / f"{engine}.log", "a") as log:
+                    proc, base = start(engine, work, log)
+                    try:
+                        name = model_name(base)
+                        stream(base, engine, name, prompts[0], 4)          # warm-up
+                        row[engine] = load(base, engine, name, prompts, opts.max_tokens)
+                    finally:
+                        proc.terminate()
+                        try:
+                            proc.wait(30)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                r = row[engine]
+                print(f"round {k + 1} {engine:12s} {r['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
+                      f"{r['ttft_p50_s'] * 1e3:7.0f} ms  {r['tokens']} tokens  errors {r['n_errors']} "
+                      f"{r['errors'][:1]}", flush=True)
+            rounds.append(row)
+        summary = {}
+        for peer in [e for e in engines if e != "tformer"] if "tformer" in engines else []:
+            speed = [r["tformer"]["tokens_per_s"] / r[peer]["tokens_per_s"] for r in rounds]
+            ttft = [r["tformer"]["ttft_p50_s"] / r[peer]["ttft_p50_s"] for r in rounds]
+            summary[peer] = {"throughput_ratio": speed, "ttft_ratio": ttft}
+            print(f"tformer / {peer}: tokens/s {statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}), "
+                  f"TTFT p50 {statistics.median(ttft):.2f}x ({min(ttft):.2f}-{max(ttft):.2f}) (below 1: tformer's "
+                  f"first token sooner)")
+        if opts.json:
+            Path(opts.json).write_text(json.dumps({"cpu": cpu(), "rounds": rounds, "summary": summary}, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
