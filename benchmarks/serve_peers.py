@@ -86,12 +86,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, work: Path, log) -> tuple[subprocess.Popen, str]:
+def start(engine: str, work: Path, log, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cores = str(os.cpu_count())
     if engine == "tformer":
         cmd = [sys.executable, "-m", "tformer", "serve", "--model", str(work / "tformer"), "--port", str(port),
-               "--max-batch", str(CLIENTS), "--max-queue", "1024", "--name", "model"]
+               "--max-batch", str(CLIENTS), "--max-queue", "1024", "--name", "model", *extra]
     elif engine == "llama.cpp":
         cmd = [str(LLAMA_SERVER), "-m", str(work / "model.gguf"), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(CLIENTS), "--ctx-size", str(CLIENTS * SHAPE["max_seq_len"]),
@@ -187,6 +187,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--engines", default="tformer,llama.cpp,transformers")
+    p.add_argument("--tformer-args", default="", help="more `tformer serve` flags, e.g. '--prefill-tokens 256'")
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     engines = opts.engines.split(",")
@@ -203,7 +204,7 @@ def main() -> None:
             row = {}
             for engine in engines:
                 with open(work / f"{engine}.log", "a") as log:
-                    proc, base = start(engine, work, log)
+                    proc, base = start(engine, work, log, opts.tformer_args.split() if engine == "tformer" else [])
                     try:
                         name = model_name(base)
                         stream(base, engine, name, prompts[0], 4)          # warm-up
