@@ -134,7 +134,7 @@ def test_plans_are_skipped_with_gradients_or_many_rows(monkeypatch):
     m(x).sum().backward()                                         # training: the plan must not be used
     assert m.weight.grad is not None and x.grad is not None
     with torch.no_grad():
-        m(torch.randn(linear.MAX_ROWS + 1, 1024))
+        m(torch.randn(linear.PROMPT_ROWS + 1, 1024))
     assert calls == []
 
 

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import nonneg_float, number, positive_int
@@ -53,6 +54,16 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def on_a_thread_of_its_own(fn, *args):
+    """fn(*args) on a thread that ends with it, so that the main thread never runs an OpenMP region.
+    libgomp keeps a pool of worker threads for each thread that ran one; with the main thread's pool
+    (loading a model makes one) beside the scheduler's it manages more threads than there are cores,
+    cuts its workers' spinning short, and each parallel region of the scheduler then waits for a
+    worker to wake: 10-25% of the throughput on 2 cores (docs/SERVING.md). A thread's pool ends with it."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run(args) -> int:
     from tformer.errors import ConfigError
 
@@ -63,7 +74,7 @@ def run(args) -> int:
     except ImportError as e:
         raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
             from None
-    served = Served(args.model, args.name, args.device, args.adapter)
+    served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter)
     given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb))
              if v is not None}                                    # else Options' defaults, stated there once
     app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body, **given))

@@ -112,6 +112,21 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
 
 
+def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
+                        is_causal: bool = False) -> Tensor:
+    """softmax(QKᵀ/√d_k)V without a gradient, weights or bias, by the path MultiHeadAttention takes for
+    these shapes (the decoding kernel, unfused_attention for a batch of decoding steps, else the fused
+    kernel): q (B, H, T_q, hd), k, v (B, H_kv, T_k, hd) -> (B, T_q, H·hd), the heads side by side.
+    For a ragged batch (ragged.py), whose parts each attend as they would alone."""
+    out = decoding_attention(q, k, v, mask, scale)
+    if out is not None:
+        return out
+    t = q.size(-2)
+    attend = unfused_attention if q.device.type == "cpu" and decoding_a_batch(q, t) else fused_attention
+    out = attend(q, k, v, mask, is_causal=is_causal, scale=scale)                  # (B, H, T_q, hd)
+    return out.transpose(1, 2).reshape(q.size(0), t, -1)
+
+
 def fold_copies(q: Tensor, copies: int) -> Tensor:
     """(B·c, H, T_q, hd) -> (B, H, c·T_q, hd): c consecutive rows that attend to the same keys and
     values (the beams of one source in cross-attention) become the query positions of one row, so K
@@ -187,6 +202,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv_heads(qkv)
             if self.rotary is not None:
                 q, k = self.rotary(q, positions), self.rotary(k, positions)
+            if cache is not None and cache.ragged:                                # several caches' tokens: ragged.py
+                return self.out_proj(cache.attend(q, k, v, self.scale)), None
             if cache is not None:
                 k, v = cache.update(k, v)                                        # (B, H_kv, T_k, hd)
                 lineage = cache.lineage[:, :k.size(2)] if cache.lineage is not None else None

@@ -34,6 +34,8 @@ class KVCache:
     `follow_lineage`. Elsewhere the filled positions are copied into beam order at every step.
     """
 
+    ragged = False                      # one cache for every row (ragged.RaggedLayer: several)
+
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, dtype=None, device=None):
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -111,6 +113,8 @@ class CrossKVCache:
 class Cache:
     """All the caches of one model for one batch of sequences: a KVCache per decoder layer and, for
     an encoder-decoder, a CrossKVCache per layer. `length` = positions already processed."""
+
+    ragged = False
 
     def __init__(self, layers: list[KVCache], cross: list[CrossKVCache] | None = None):
         self.layers, self.cross = layers, cross

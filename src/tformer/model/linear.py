@@ -20,8 +20,8 @@ at about half of what memory delivers (`python benchmarks/gemv_bandwidth.py`; BE
   spreads over the threads.
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
-A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv plan:
-PROMPT_ROWS), and only while the weight is the one it was made for (same storage, same version
+A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv or packed
+plan: PROMPT_ROWS), and only while the weight is the one it was made for (same storage, same version
 counter): an optimizer step or load_state_dict makes it stale, the layer falls back to F.linear, and
 the next generate() plans again. A plan is a plain attribute (`layer.plan`): state_dict and .to()
 never see it, a deepcopy starts without one. A packed or gemv plan costs one more copy of its weight
@@ -39,7 +39,7 @@ from ..devices import available_memory
 from ..kernels import gemv
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
-PROMPT_ROWS = 512           # ... except with a gemv plan: prompts of a batch (8 x 64 tokens)
+PROMPT_ROWS = 2048          # ... except with a gemv or packed plan: prompts, the server's rows and chunks
 SPLIT_MIN = 1 << 16         # weights per matrix from which a plan pays: split (fp32) ...
 PACK_MIN = 1 << 20          # ... up to here, packed above (and for bf16); benchmarks/gemv_bandwidth.py
 
@@ -73,10 +73,14 @@ class Plan:
 
 
 class Packed(Plan):
-    """F.linear by oneDNN on a copy of the weight in its own layout, chosen for about `rows` rows."""
+    """F.linear by oneDNN on a copy of the weight in its own layout, chosen for about `rows` rows. It
+    also runs prompts and the server's batches of decoding rows and prompt chunks, up to PROMPT_ROWS
+    rows: at 128-512 rows it is 1.1-1.6x F.linear on a Zen 4 (MKL's kernels are slow on AMD CPUs;
+    BENCHMARKS.md, "Kernels")."""
 
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
+        self.max_elems = PROMPT_ROWS * weight.size(1)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
 
     def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:

@@ -125,7 +125,7 @@ class DecoderStack(nn.Module):
         mask = self_attention_mask(t, offset, attention_mask, causal=True, device=ids.device)
         # T5's bias uses the cache slots as positions (as transformers does), not `positions`
         bias = self.relative_bias(t, offset + t, offset) if self.relative_bias is not None else None
-        if cache is not None and mask is None and bias is None and memory is None and not return_attention:
+        if cache is not None and not cache.ragged and mask is bias is memory is None and not return_attention:
             step = self._fused_step()                  # a GPT's decoding step in one kernel call, where it fits
             y = step(x, cache.layers) if step is not None else None
             if y is not None:

@@ -40,6 +40,7 @@ class SlotLayer:
     """One layer's self-attention cache over the pool (the KVCache protocol: update -> all keys)."""
 
     lineage = None                      # every row holds its own positions (attention.KVCache)
+    ragged = False
 
     def __init__(self, k: Tensor, v: Tensor):
         self.k, self.v = k, v
@@ -64,6 +65,8 @@ class SlotCross:
 
 class PoolCache:
     """What step() sees for the first n slots: `.layers`, `.cross`, `.length` as in attention.Cache."""
+
+    ragged = False
 
     def __init__(self, pool: "SlotPool", n: int):
         self.layers, self.cross = pool.layers, pool.cross

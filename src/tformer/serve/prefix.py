@@ -47,6 +47,9 @@ class PrefixCache:
     def nbytes(self) -> int:
         return len(self.blocks) * self.block_bytes
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.blocks
+
     def keys(self, prompt: list[int], salt: str = "") -> list[bytes]:
         """The chain of keys of the prompt's full blocks."""
         parent, keys = hashlib.sha256(salt.encode()).digest(), []

@@ -27,9 +27,11 @@ import threading
 from collections import deque
 
 import torch
+from torch import Tensor
 
 from ..model.linear import plan_decoding
 from ..model.lora_batched import select_adapters
+from ..model.ragged import Part, RaggedCache
 from .pool import SlotPool
 from .prefix import PrefixCache
 from .sequence import Event, Sampling, Sequence, Token
@@ -52,8 +54,9 @@ class Scheduler:
         self.pool = SlotPool(model, max_batch, model.cfg.max_seq_len)
         # decoders only: an encoder-decoder's decoder prompt is one start token, its keys depend on the source
         self.prefix = PrefixCache(prefix_bytes) if prefix_bytes and not model.is_encoder_decoder else None
-        self.keys: list[bytes] = []                # the prefilling sequence's chain of block keys
-        plan_decoding(model, max_batch)            # once: plans made for max_batch rows serve fewer rows too
+        # decoders: the running rows and the prompt chunks in one forward (ragged.py); an encoder-decoder's
+        # rows read their sources, T5's position bias depends on the part: their prompts go alone
+        self.together = not model.is_encoder_decoder and model.cfg.positional != "relative"
         self.waiting: deque[Sequence] = deque()    # guarded by self.cond
         self.running: list[Sequence] = []          # row i is in pool slot i; loop thread only
         self.prefilling: Sequence | None = None
@@ -90,6 +93,9 @@ class Scheduler:
 
     # --- the loop (one thread) ------------------------------------------------------------------
     def _loop(self) -> None:
+        # once, on this thread (the one that runs the model: one OpenMP pool, cli/serve.py): plans made
+        # for max_batch rows serve fewer rows too
+        plan_decoding(self.model, self.max_batch)
         while True:
             with self.cond:
                 while not (self.waiting or self.running or self.prefilling or self.stopping):
@@ -117,64 +123,121 @@ class Scheduler:
                 self._remove(i)
         if self.prefilling is not None and self.prefilling.cancelled:
             self.prefilling = None
-        used = 0
-        while len(self.running) < self.max_batch:
-            # the budget bounds the running rows' wait; with none running, a whole prompt goes at once
-            budget = (self.prefill_tokens if self.running else max(self.prefill_tokens, self.model.cfg.max_seq_len))
-            if budget - used <= 0:
-                break
-            if self.prefilling is None:
-                with self.cond:
-                    while self.waiting and self.waiting[0].cancelled:
-                        self.waiting.popleft()
-                    if not self.waiting:
-                        break
-                    self.prefilling = self.waiting.popleft()
-            used += self._prefill(self.prefilling, budget - used)
-        if self.running:
-            self._decode()
+        # the budget bounds the running rows' wait; with none running, whole prompts go at once
+        budget = self.prefill_tokens if self.running else max(self.prefill_tokens, self.model.cfg.max_seq_len)
+        chunks = self._joining(budget)
+        if self.together:
+            self._step(chunks)
+        else:
+            for seq, chunk in chunks:
+                self._prefill(seq, chunk)
+            if self.running:
+                self._decode()
         self.pool.trim(len(self.running))
 
-    def _prefill(self, seq: Sequence, budget: int) -> int:
-        """Feed the next chunk of seq's prompt; once it is all in, seq joins the running rows with
-        its first token. Returns the number of prompt tokens fed."""
-        model = self.model
-        select_adapters(model, [seq.adapter])          # the prompt's LoRA adapter (0: none), for encode and step
-        if seq.cache is None:
-            seq.cache = model.new_cache(1, len(seq.prompt))
-            if model.is_encoder_decoder:
-                seq.memory = model.encode(torch.tensor([seq.source], device=self.device))   # (1, S, D)
-            elif self.prefix is not None:
-                self._restore(seq)
-        chunk = seq.prompt[seq.fed:seq.fed + budget]
+    def _joining(self, budget: int) -> list[tuple[Sequence, list[int]]]:
+        """The prompt chunks of this iteration: the prompt being prefilled goes on, then waiting ones
+        start, while the budget and the free slots last; at most one is left part-fed (self.prefilling)."""
+        chunks = []
+        while budget > 0 and len(self.running) + len(chunks) < self.max_batch:
+            seq = self.prefilling or self._next_waiting(chunks)
+            if seq is None:
+                break
+            chunk = seq.prompt[seq.fed:seq.fed + budget]
+            chunks.append((seq, chunk))
+            budget -= len(chunk)
+            self.prefilling = seq if seq.fed + len(chunk) < len(seq.prompt) else None
+        return chunks
+
+    def _next_waiting(self, chunks: list[tuple[Sequence, list[int]]]) -> Sequence | None:
+        """The first waiting sequence, started (its cache, its cached prefix); None if there is none, or
+        if its first block is being computed in this iteration for another prompt: it then waits one
+        iteration and copies the block from the prefix cache rather than compute it again."""
+        with self.cond:
+            while self.waiting and self.waiting[0].cancelled:
+                self.waiting.popleft()
+            if not self.waiting:
+                return None
+            seq = self.waiting[0]
+            if self.prefix is not None:
+                seq.keys = seq.keys or self.prefix.keys(seq.prompt, salt=str(seq.adapter))   # another adapter,
+                first = seq.keys[:1]                                                     # other keys
+                if first and first[0] not in self.prefix and any(s.keys[:1] == first for s, _ in chunks):
+                    return None
+            self.waiting.popleft()
+        select_adapters(self.model, [seq.adapter])        # the prompt's LoRA adapter (0: none), for encode
+        seq.cache = self.model.new_cache(1, len(seq.prompt))
+        if self.model.is_encoder_decoder:
+            seq.memory = self.model.encode(torch.tensor([seq.source], device=self.device))   # (1, S, D)
+        elif self.prefix is not None and not seq.s.prompt_logprobs:   # echo + logprobs: every position's logits
+            seq.fed = self.prefix.restore(seq.prompt, seq.keys, seq.cache)    # prefilling starts after it
+            if self.metrics is not None:
+                self.metrics.prefix_queries.inc(len(seq.prompt))
+                self.metrics.prefix_hits.inc(seq.fed)
+        return seq
+
+    def _step(self, chunks: list[tuple[Sequence, list[int]]]) -> None:
+        """One forward pass for a decoder (model/ragged.py): every running row's next token and the prompt
+        chunks together, each token at its own position, so the weights are read once for them all."""
+        n, pool, running = len(self.running), self.pool, self.running
+        parts, ids, positions, adapters = [], [], [], []
+        if n:
+            parts.append(Part(pool.view(n), n, 1, pool.mask(n)))
+            ids += [s.generated[-1] for s in running]
+            positions += pool.lengths[:n]
+            adapters += [s.adapter for s in running]
+        heads = list(range(n))                                   # the tokens whose logits are needed
+        spans = []
+        for seq, chunk in chunks:
+            parts.append(Part(seq.cache, 1, len(chunk)))
+            start, end = len(ids), len(ids) + len(chunk)
+            ids += chunk
+            positions += range(seq.fed, seq.fed + len(chunk))
+            adapters += [seq.adapter] * len(chunk)
+            every, last = seq.s.prompt_logprobs, seq.fed + len(chunk) == len(seq.prompt)
+            wanted = range(start, end) if every else range(end - 1, end) if last else range(0)
+            spans.append(slice(len(heads), len(heads) + len(wanted)))
+            heads += wanted
+        select_adapters(self.model, adapters)                    # each token's LoRA adapter
+        tensor = torch.tensor
+        hidden = self.model.step(tensor(ids, device=self.device)[:, None], RaggedCache(parts, self.device),
+                                 positions=tensor(positions, device=self.device)[:, None], head=False)   # (N, D)
+        if not heads:                                            # only a prompt's middle: nothing to choose
+            self._fed(*chunks[0][0:1], len(chunks[0][1]), None)
+            return
+        select_adapters(self.model, [adapters[i] for i in heads])         # an adapter may reach the output layer
+        logits = self.model.lm_head(hidden[tensor(heads, device=self.device)])                          # (M, V)
+        pool.advance(n)
+        finished = [i for i in range(n) if running[i].push(running[i].choose(logits[i]), logits[i], self.metrics)]
+        for i in reversed(finished):
+            self._remove(i)
+        for (seq, chunk), span in zip(chunks, spans):
+            self._fed(seq, len(chunk), logits[span])
+
+    def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
+        """Feed a chunk of seq's prompt alone (an encoder-decoder's, or a decoder with a position bias)."""
+        select_adapters(self.model, [seq.adapter])
         every = seq.s.prompt_logprobs         # echo + logprobs: every position's logits, (1, T, V)
-        logits = model.step(torch.tensor([chunk], device=self.device), seq.cache, memory=seq.memory,
-                            all_logits=every)                                 # (1, V), or (1, T, V) if every
-        if every:
-            seq.note_prompt(logits[0], seq.fed)
-            logits = logits[:, -1]
-        seq.fed += len(chunk)
+        logits = self.model.step(torch.tensor([chunk], device=self.device), seq.cache, memory=seq.memory,
+                                 all_logits=every)                             # (1, V), or (1, T, V) if every
+        self._fed(seq, len(chunk), logits[0] if every else logits)
+
+    def _fed(self, seq: Sequence, t: int, logits: Tensor) -> None:
+        """seq's next t prompt tokens are in its cache, `logits` (T, V) of each with echo + logprobs, else
+        of the last (1, V) (or none, mid-prompt): note them, store the filled blocks in the prefix cache,
+        and once the prompt is all in, copy it to a pool slot and take its first token."""
+        if seq.s.prompt_logprobs:
+            seq.note_prompt(logits, seq.fed)
+        seq.fed += t
         if self.prefix is not None:
-            self.prefix.store(self.keys, seq.cache, seq.fed)             # the blocks filled so far
+            self.prefix.store(seq.keys, seq.cache, seq.fed)              # the blocks filled so far
         if seq.fed == len(seq.prompt):
             slot = len(self.running)
             self.pool.admit(slot, seq.cache, seq.memory)
             seq.cache = seq.memory = None
             self.running.append(seq)
-            self.prefilling = None
-            if seq.push(seq.choose(logits[0]), logits[0], self.metrics):
+            if seq.push(seq.choose(logits[-1]), logits[-1], self.metrics):
                 self._remove(slot)
-        return len(chunk)
-
-    def _restore(self, seq: Sequence) -> None:
-        """Copy the prompt's longest cached prefix into its prefill cache: prefilling starts after it."""
-        self.keys = self.prefix.keys(seq.prompt, salt=str(seq.adapter))     # another adapter, other keys
-        if seq.s.prompt_logprobs:          # echo + logprobs: every prompt position's logits are needed
-            return
-        seq.fed = self.prefix.restore(seq.prompt, self.keys, seq.cache)
-        if self.metrics is not None:
-            self.metrics.prefix_queries.inc(len(seq.prompt))
-            self.metrics.prefix_hits.inc(seq.fed)
 
     def _decode(self) -> None:
         """One step for every running row: feed its newest token at its own position."""

@@ -89,6 +89,7 @@ class Sequence:
         self.cancelled = self.done = False
         self.cache = self.memory = None     # while prefilling: its own batch-1 cache (and encoder output)
         self.fed = 0
+        self.keys: list[bytes] = []         # its prompt's chain of block keys in the prefix cache
         self.submitted = self.last_time = time.perf_counter()
 
     def process(self, logits: Tensor) -> Tensor:
