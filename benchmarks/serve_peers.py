@@ -14,7 +14,8 @@ concurrent serving:
 
     tformer       tformer serve --max-batch 16
     llama.cpp     llama-server --parallel 16 --ctx-size 16384 (1,024 per slot, continuous batching is its
-                  default) --threads N --threads-batch N (N = the cores)
+                  default) --threads N --threads-batch N (N = the cores); its KV cache is f16 unless
+                  --llama-args '--cache-type-k f32 --cache-type-v f32' (tformer's: fp32, the model's dtype)
     transformers  transformers serve --continuous-batching --device cpu --dtype float32
 
 The load: `--requests` prompts of 16-256 words of Hamlet (seeded; the same text for every engine),
@@ -95,7 +96,7 @@ def start(engine: str, work: Path, log, extra: list[str] = ()) -> tuple[subproce
     elif engine == "llama.cpp":
         cmd = [str(LLAMA_SERVER), "-m", str(work / "model.gguf"), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(CLIENTS), "--ctx-size", str(CLIENTS * SHAPE["max_seq_len"]),
-               "--threads", cores, "--threads-batch", cores, "--alias", "model"]
+               "--threads", cores, "--threads-batch", cores, "--alias", "model", *extra]
     else:
         cmd = [str(Path(sys.executable).parent / "transformers"), "serve", str(work / "hf"), "--host", "127.0.0.1",
                "--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
@@ -188,6 +189,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--engines", default="tformer,llama.cpp,transformers")
     p.add_argument("--tformer-args", default="", help="more `tformer serve` flags, e.g. '--prefill-tokens 256'")
+    p.add_argument("--llama-args", default="", help="more `llama-server` flags, e.g. '--cache-type-k f32 "
+                   "--cache-type-v f32' (its KV cache is f16 by default; tformer's is the model's dtype)")
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     engines = opts.engines.split(",")
@@ -204,7 +207,7 @@ def main() -> None:
             row = {}
             for engine in engines:
                 with open(work / f"{engine}.log", "a") as log:
-                    proc, base = start(engine, work, log, opts.tformer_args.split() if engine == "tformer" else [])
+                    proc, base = start(engine, work, log, {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "").split())
                     try:
                         name = model_name(base)
                         stream(base, engine, name, prompts[0], 4)          # warm-up
