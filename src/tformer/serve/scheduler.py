@@ -1,21 +1,26 @@
-"""Continuous batching: one thread owns the model and runs it one step at a time.
+"""Continuous batching: one thread owns the model and runs it one forward pass at a time.
 
-    waiting (FIFO, <= max_queue)  --admit-->  prefilling (one, in chunks)  --join-->  running (<= max_batch)
-                                                                                       |  one token per row
-                                                               finished / cancelled <--+  per step
+    waiting (FIFO, <= max_queue)  --start-->  prefilling (in chunks)  --join-->  running (<= max_batch)
+                                                                                 |  one token per row
+                                                         finished / cancelled <--+  per pass
 
-Each iteration of the loop: drop rows whose client went away, prefill joining sequences (at most
+Each iteration of the loop: drop rows whose client went away, choose the prompt chunks (at most
 `prefill_tokens` prompt tokens while rows are running, so a long prompt never stalls them for more
-than one chunk: it is fed in chunks over several iterations; with no row running, whole prompts),
-then one decoding step for every running row. A finished row leaves the batch at once and frees its
-pool slot for the next waiting sequence; the pool then shrinks if it holds twice what is left.
+than one chunk: it is fed over several iterations; with no row running, whole prompts, as many as
+fit), then ONE forward pass for a decoder (model/ragged.py): every running row's newest token and
+the chunks, each token at its own position, through the same products; only attention keeps the
+parts apart. Encoder-decoders (rows read their sources) and T5-style position biases run the
+chunks alone, then the decoding step. A finished row leaves the batch at once and frees its pool
+slot for the next waiting sequence; the pool then shrinks if it holds twice what is left.
 
-A prompt is prefilled alone, into a batch-1 cache of its own length, and copied into its pool
-slot when complete: its logits are then exactly those of `model.generate` on that prompt alone,
-and a row's sampling uses only its own settings and its own torch.Generator, so neither the
-other rows nor the order of arrival change what a request gets. With a prefix cache (prefix.py,
-decoders), the prompt's longest run of already-prefilled 16-token blocks is copied into that
-batch-1 cache first and only the rest is computed; its own blocks are stored as they fill.
+A prompt's keys and values go into a batch-1 cache of its own, copied into its pool slot when
+complete: they are those a prefill alone computes (its logits are `model.generate`'s, within the
+rounding of a product with more rows), and a row's sampling uses only its own settings and its own
+torch.Generator, so neither the other rows nor the order of arrival change what a request gets.
+With a prefix cache (prefix.py, decoders), the prompt's longest run of already-prefilled 16-token
+blocks is copied into that cache first and only the rest is computed; its own blocks are stored as
+they fill. A prompt whose first block another prompt of the same iteration is computing waits one
+iteration, and then copies it.
 
 Handlers and the loop meet in two places only: `submit` / `cancel` (under a lock), and each
 Sequence's `sink`, which the loop calls with every new Event (the server hands it to asyncio).
