@@ -15,32 +15,23 @@ import torch
 import torch.nn.functional as F
 
 import tformer
+from chat_util import NUMBERS, save_base, write_jsonl
 from tformer.checkpoints.format import load_tokenizer
 from tformer.checkpoints.layout import checkpoint_dir, resolve
 from tformer.cli import build_parser, main
 from tformer.data.chat import Renderer, read_examples
 from tformer.data.chat_template import find_chat_template
 from tformer.data.files import split_rows
-from tformer.data.tokenizers import Tokenizer
-from tformer.model.config import ModelConfig
 from tformer.model.lora import lora_layers, lora_state_dict
-from tformer.model.models import Decoder
 from tformer.tasks.dpo import read_pairs
 from tformer.training.dpo import REWARD_METRICS
 from tformer.training.loop import Trainer
 from tformer.training.steplog import postfix
 
-TEXT = "what is one two three four five six seven eight nine plus? yes no maybe user assistant " * 20
-NUMBERS = "one two three four five six seven eight nine".split()
 BETA = 0.5
 COMMON = ["--batch-size", "8", "--warmup", "0", "--no-progress", "--precision", "fp32", "--log-every", "1",
           "--val-fraction", "0.25"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    return path
 
 
 def question(i: int) -> str:
@@ -49,14 +40,7 @@ def question(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    tok = Tokenizer.train_bpe(TEXT, 300)
-    torch.manual_seed(0)
-    cfg = ModelConfig(kind="decoder", vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64,
-                      max_seq_len=64, positional="learned", pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
-                      eos_token_id=tok.eos_id, dropout=0.0)
-    path = tmp_path_factory.mktemp("chat") / "base"
-    tformer.save(Decoder(cfg).eval(), path, tokenizer=tok)
-    return path
+    return save_base(tmp_path_factory.mktemp("chat") / "base")
 
 
 @pytest.fixture(scope="module")

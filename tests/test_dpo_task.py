@@ -4,7 +4,6 @@ log 2), adapters_off itself, and bad input as one-line errors naming file:line t
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -12,16 +11,14 @@ import pytest
 import torch
 
 import tformer
+from chat_util import NUMBERS, save_base, write_jsonl
 from tformer.cli import build_parser, main
-from tformer.data.tokenizers import Tokenizer
 from tformer.errors import ConfigError
 from tformer.model.config import ModelConfig
 from tformer.model.lora import adapters_off, apply_lora, merge
 from tformer.model.models import Decoder
 from tformer.training.loop import Trainer
 
-TEXT = "what is one two three four five six seven eight nine plus? yes no maybe user assistant " * 20
-NUMBERS = "one two three four five six seven eight nine".split()
 FLAGS = ["--batch-size", "8", "--warmup", "0", "--no-progress", "--precision", "fp32", "--log-every", "1",
          "--val-fraction", "0.25", "--dpo-beta", "0.5"]
 
@@ -36,21 +33,9 @@ def pairs(n: int = 40) -> list[dict]:
     return out
 
 
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines), encoding="utf-8")
-    return path
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    tok = Tokenizer.train_bpe(TEXT, 300)
-    torch.manual_seed(0)
-    cfg = ModelConfig(kind="decoder", vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_layers=2, d_ff=64,
-                      max_seq_len=64, positional="learned", pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
-                      eos_token_id=tok.eos_id, dropout=0.0)
-    path = tmp_path_factory.mktemp("dpo") / "base"
-    tformer.save(Decoder(cfg).eval(), path, tokenizer=tok)
-    return path
+    return save_base(tmp_path_factory.mktemp("dpo") / "base")
 
 
 @pytest.fixture(scope="module")

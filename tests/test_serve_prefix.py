@@ -57,6 +57,24 @@ def test_a_prefix_hit_gives_generates_tokens_and_is_counted(decoder):
     assert got == [reference(decoder, first, 20), reference(decoder, second, 20)]
 
 
+def test_a_reply_is_cached_for_the_next_turn(decoder):
+    tok = char_tokenizer()
+    first = SHARED + TAILS[3]
+    with serving(decoder, max_batch=2, prefill_tokens=8) as (base, _):
+        c = client(base)
+        no_specials = {str(i): -100 for i in tok.special_ids}       # the text then re-encodes to the same ids
+        reply = c.completions.create(model="dec", prompt=first, max_tokens=40, temperature=0,
+                                     logit_bias=no_specials).choices[0].text
+        before = metric(base, "tformer_prefix_cache_hits_total")
+        second = first + reply + " and then"                       # the next turn quotes the reply
+        got = c.completions.create(model="dec", prompt=second, max_tokens=10, temperature=0).choices[0].text
+        hits = metric(base, "tformer_prefix_cache_hits_total") - before
+    prompt, generated = tok.encode(first), tok.encode(reply)
+    held = (prompt + generated)[:len(prompt) + len(generated) - 1]  # the reply's last token was never fed
+    assert hits == shared_blocks(held, tok.encode(second)) * TOKENS > len(prompt) // TOKENS * TOKENS
+    assert got == reference(decoder, second, 10)
+
+
 def test_a_crowd_with_prefix_hits_and_chunked_prefill_equals_generate_alone(decoder):
     prompts = [SHARED + t for t in TAILS] + [SHARED[:40] + t for t in TAILS[:3]] + [SHARED * 2]
     lengths = [12, 30, 7, 25, 18, 9, 14, 5, 21, 16]

@@ -79,6 +79,13 @@ class PoolCache:
         self.length = pool.longest(n)   # keys before this step: self_attention_mask's offset
 
 
+class SlotView:
+    """`.layers` of one slot, as a batch-1 attention.Cache has them (k, v: (1, H_kv, time, hd))."""
+
+    def __init__(self, layers: list[SlotLayer]):
+        self.layers = layers
+
+
 def resized(t: Tensor, rows: int, time: int, dim: int, live: int, keep: int) -> Tensor:
     """A tensor like t with `rows` rows and `time` along `dim`: the live rows [:live] hold t's first
     `keep` positions, then zeros (a masked key is still read: it must be a finite number). The other
@@ -225,6 +232,10 @@ class SlotPool:
                 c.all_v[dst, :, :s] = c.all_v[src, :, :s]
         self.lengths[dst], self.src_lengths[dst] = t, s
         self.lengths[src] = self.src_lengths[src] = 0
+
+    def slot(self, i: int) -> "SlotView":
+        """Slot i's keys and values as a batch-1 cache's layers (views, no copy), for prefix.store."""
+        return SlotView([SlotLayer(layer.k[i:i + 1], layer.v[i:i + 1]) for layer in self.layers])
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = self.src_lengths[slot] = 0

@@ -259,7 +259,13 @@ class Scheduler:
             self._remove(i)
 
     def _remove(self, i: int) -> None:
-        """Row i leaves; the last row takes its slot, so the running rows stay in slots 0..n-1."""
+        """Row i leaves; the last row takes its slot, so the running rows stay in slots 0..n-1. With a
+        prefix cache, its prompt and generated tokens' full blocks are stored first: the next turn of a
+        conversation (this reply in its prompt) finds them, as in vLLM and llama.cpp's cache_prompt."""
+        if self.prefix is not None:
+            seq, held = self.running[i], self.pool.lengths[i]        # positions filled: all but the last token
+            tokens = (seq.prompt + seq.generated)[:held]
+            self.prefix.store(self.prefix.keys(tokens, salt=str(seq.adapter)), self.pool.slot(i), held)
         last = len(self.running) - 1
         if i != last:
             self.pool.move(last, i)
