@@ -207,7 +207,8 @@ def main() -> None:
             row = {}
             for engine in engines:
                 with open(work / f"{engine}.log", "a") as log:
-                    proc, base = start(engine, work, log, {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "").split())
+                    extra = {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "")
+                    proc, base = start(engine, work, log, extra.split())
                     try:
                         name = model_name(base)
                         stream(base, engine, name, prompts[0], 4)          # warm-up
