@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TFORMER_PLANS", "rules")      # decoding plans by rule, not by timing: the same on every machine
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

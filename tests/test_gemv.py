@@ -15,7 +15,7 @@ from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
 from tformer.kernels import build, gemv
 from tformer.model import linear
-from tformer.model.linear import Gemv, Linear, plan_decoding
+from tformer.model.linear import Gemv, Linear, Packed, plan_decoding
 
 needs_kernel = pytest.mark.skipif(build.unsupported() is not None, reason=f"gemv: {build.unsupported()}")
 
@@ -66,6 +66,40 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
     large = Linear(1024, 1024)                                    # from PACK_MIN: oneDNN's above PLAN_ROWS
     assert plan_decoding(large, gemv.PLAN_ROWS) == 1 and isinstance(large.plan, Gemv)
     assert plan_decoding(large, gemv.PLAN_ROWS + 1) == 1 and not isinstance(large.plan, Gemv)
+
+
+@needs_kernel
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, kernel_faster):
+    monkeypatch.setenv("TFORMER_PLANS", "timed")
+    monkeypatch.setattr(linear, "GEMV_LIMITS", {})
+    timed = []
+
+    def fake(layers, rows):                        # which plans ran a pass: seconds made up
+        kinds = {type(m.plan).__name__ for m in layers}
+        timed.append(kinds)
+        return {"Gemv": 1.0 if kernel_faster else 3.0, "Packed": 2.0}[min(kinds)]
+
+    monkeypatch.setattr(linear, "pass_time", fake)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048), Linear(64, 64))   # two large, one tiny
+    assert plan_decoding(model, 16) == 2
+    assert timed == [{"Packed"}, {"Gemv"}]                        # the rule's plans, then the kernel's, once
+    want = Gemv if kernel_faster else Packed
+    assert isinstance(model[0].plan, want) and isinstance(model[1].plan, want) and model[2].plan is None
+    x = torch.randn(16, 1024)
+    with torch.no_grad():
+        torch.testing.assert_close(model[1](x), F.linear(x, model[1].weight, model[1].bias), atol=1e-4, rtol=1e-5)
+    again = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048))
+    assert plan_decoding(again, 16) == 2 and len(timed) == 2       # the same shapes: decided once per process
+    assert plan_decoding(model, gemv.PLAN_ROWS) == 2 and len(timed) == 2 and isinstance(model[0].plan, Gemv)
+
+
+@needs_kernel
+def test_a_pass_time_is_a_real_duration():
+    layers = [Linear(256, 64), Linear(64, 256)]
+    assert 0 < linear.pass_time(layers, 4) < 1
 
 
 @needs_kernel

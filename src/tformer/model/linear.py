@@ -31,12 +31,17 @@ plan keeps the weight's storage alive until it is replaced.
 
 from __future__ import annotations
 
+import functools
+import os
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..devices import available_memory
-from ..kernels import gemv
+from ..kernels import build, gemv
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
 PROMPT_ROWS = 2048          # ... except with a gemv or packed plan: prompts, the server's rows and chunks
@@ -169,12 +174,14 @@ class Linear(nn.Linear):
             return plan.argmax(x.contiguous(), self.bias)
         return None
 
-    def kind_of_plan(self, rows: int = 1) -> type[Plan] | None:
-        """Which plan pays for this weight on this machine, for products of about `rows` rows (None: F.linear)."""
+    def kind_of_plan(self, rows: int = 1, gemv_rows: int | None = None) -> type[Plan] | None:
+        """Which plan pays for this weight on this machine, for products of about `rows` rows (None: F.linear);
+        large fp32 matrices take tformer's kernel up to `gemv_rows` rows (plan_decoding times it)."""
         w, threads = self.weight, torch.get_num_threads()
+        gemv_rows = gemv.PLAN_ROWS if gemv_rows is None else gemv_rows
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
             return None
-        if (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and (rows <= gemv.PLAN_ROWS or w.numel() < PACK_MIN)
+        if (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and (rows <= gemv_rows or w.numel() < PACK_MIN)
                 and gemv.available()):
             return Gemv
         if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
@@ -184,13 +191,12 @@ class Linear(nn.Linear):
             return Packed
         return None
 
-    def make_plan(self, rows: int, pack: bool = True) -> Plan | None:
+    def make_plan(self, rows: int, pack: bool = True, gemv_rows: int | None = None) -> Plan | None:
         """Make the plan for products with about `rows` rows, or keep a valid one; `pack=False`
         leaves layers that would be packed on F.linear (no extra copy of the weight)."""
-        w, old = self.weight, self.plan
-        if old is not None and old.rows == rows and old.made_for(w):
+        w, old, kind = self.weight, self.plan, self.kind_of_plan(rows, gemv_rows)
+        if old is not None and old.rows == rows and type(old) is kind and old.made_for(w):
             return old
-        kind = self.kind_of_plan(rows)
         self.plan = kind(w, rows) if kind is Split or (kind is not None and pack) else None
         return self.plan
 
@@ -205,4 +211,59 @@ def plan_decoding(model: nn.Module, rows: int) -> int:
                   if m.kind_of_plan(rows) in (Packed, Gemv) and not isinstance(m.plan, (Packed, Gemv)))
     available = available_memory()
     pack = available is None or to_pack <= available // 2
-    return sum(m.make_plan(rows, pack) is not None for m in layers)
+    gemv_rows = gemv_limit(layers, rows) if pack else gemv.PLAN_ROWS
+    return sum(m.make_plan(rows, pack, gemv_rows) is not None for m in layers)
+
+
+TIMED_BYTES = 128 << 20             # weights streamed per timed pass: several times any CPU's last-level cache
+GEMV_LIMITS: dict[str, int] = {}     # "cpu|threads|rows|shapes" -> gemv_rows, timed once per process
+
+
+def measuring() -> bool:
+    """Whether plan_decoding times the two kernels (the default) or keeps the rule (TFORMER_PLANS=rules)."""
+    return os.environ.get("TFORMER_PLANS", "timed") != "rules"
+
+
+@functools.cache
+def this_cpu() -> str:
+    return build.cpu()[0]
+
+
+def gemv_limit(layers: list[Linear], rows: int) -> int:
+    """Up to how many rows large fp32 matrices take tformer's kernel rather than oneDNN's packed weights.
+    By rule, gemv.PLAN_ROWS; for steps of more rows, whichever runs a whole step's products faster on this
+    CPU: both timed once per process (every weight read from memory, as in a decoding step, not one matrix
+    from the cache, where the two tie). On a Zen 4 at 16 rows the kernel wins: a decoding step of a
+    GPT-2-small-sized model 54 -> 43 ms. TFORMER_PLANS=rules keeps the rule (the tests do)."""
+    large = [m for m in layers if type(m) is Linear and m.kind_of_plan(rows) is Packed
+             and m.kind_of_plan(rows, rows) is Gemv]
+    if not large or not measuring():
+        return gemv.PLAN_ROWS
+    key = f"{this_cpu()}|{torch.get_num_threads()}|{rows}|{sorted({tuple(m.weight.shape) for m in large})}"
+    if key not in GEMV_LIMITS:
+        timed, held = [], 0              # enough layers to stream TIMED_BYTES (no cache holds them), in order
+        for m in large:
+            timed.append(m)
+            held += m.weight.numel() * m.weight.element_size()
+            if held >= TIMED_BYTES:
+                break
+        times = {}
+        for limit in (gemv.PLAN_ROWS, rows):
+            for m in timed:
+                m.make_plan(rows, True, limit)
+            times[limit] = pass_time(timed, rows)
+        GEMV_LIMITS[key] = min(times, key=times.get)
+    return GEMV_LIMITS[key]
+
+
+def pass_time(layers: list[Linear], rows: int) -> float:
+    """Seconds for one product of `rows` rows by every layer in turn: the median of 3 passes after one."""
+    xs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+    times = []
+    with torch.no_grad():
+        for _ in range(4):
+            start = time.perf_counter()
+            for m in layers:
+                m(xs[m.in_features])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
