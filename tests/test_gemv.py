@@ -2,6 +2,7 @@
 for any number of rows equals F.linear, the Gemv plan takes it where it is built, and it runs on PyTorch's own
 OpenMP threads."""
 
+import json
 import platform
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
 @needs_kernel
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 @pytest.mark.parametrize("kernel_faster", [True, False])
-def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, kernel_faster):
+def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, tmp_path, kernel_faster):
     monkeypatch.setenv("TFORMER_PLANS", "timed")
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))                # the choice is kept here (plans.json)
     monkeypatch.setattr(linear, "GEMV_LIMITS", {})
     timed = []
 
@@ -92,7 +94,10 @@ def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, 
     with torch.no_grad():
         torch.testing.assert_close(model[1](x), F.linear(x, model[1].weight, model[1].bias), atol=1e-4, rtol=1e-5)
     again = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048))
-    assert plan_decoding(again, 16) == 2 and len(timed) == 2       # the same shapes: decided once per process
+    assert plan_decoding(again, 16) == 2 and len(timed) == 2       # the same shapes: decided once
+    monkeypatch.setattr(linear, "GEMV_LIMITS", {})                 # another process reads the per-user cache
+    assert plan_decoding(again, 16) == 2 and len(timed) == 2 and isinstance(again[0].plan, want)
+    assert list(json.loads((tmp_path / "plans.json").read_text()).values()) == [16 if kernel_faster else 8]
     assert plan_decoding(model, gemv.PLAN_ROWS) == 2 and len(timed) == 2 and isinstance(model[0].plan, Gemv)
 
 

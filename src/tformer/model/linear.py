@@ -32,8 +32,10 @@ plan keeps the weight's storage alive until it is replaced.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -216,7 +218,7 @@ def plan_decoding(model: nn.Module, rows: int) -> int:
 
 
 TIMED_BYTES = 128 << 20             # weights streamed per timed pass: several times any CPU's last-level cache
-GEMV_LIMITS: dict[str, int] = {}     # "cpu|threads|rows|shapes" -> gemv_rows, timed once per process
+GEMV_LIMITS: dict[str, int] = {}     # "cpu|threads|rows|shapes" -> gemv_rows: timed, or read from plans.json
 
 
 def measuring() -> bool:
@@ -232,14 +234,17 @@ def this_cpu() -> str:
 def gemv_limit(layers: list[Linear], rows: int) -> int:
     """Up to how many rows large fp32 matrices take tformer's kernel rather than oneDNN's packed weights.
     By rule, gemv.PLAN_ROWS; for steps of more rows, whichever runs a whole step's products faster on this
-    CPU: both timed once per process (every weight read from memory, as in a decoding step, not one matrix
-    from the cache, where the two tie). On a Zen 4 at 16 rows the kernel wins: a decoding step of a
-    GPT-2-small-sized model 54 -> 43 ms. TFORMER_PLANS=rules keeps the rule (the tests do)."""
+    CPU (every weight read from memory, as in a decoding step, not one matrix from the cache, where the two
+    tie), timed once and kept in the per-user cache (plans.json) by CPU, threads, rows and shapes. On a Zen 4
+    at 16 rows the kernel wins: a decoding step of a GPT-2-small-sized model 54 -> 43 ms.
+    TFORMER_PLANS=rules keeps the rule (the tests do)."""
     large = [m for m in layers if type(m) is Linear and m.kind_of_plan(rows) is Packed
              and m.kind_of_plan(rows, rows) is Gemv]
     if not large or not measuring():
         return gemv.PLAN_ROWS
     key = f"{this_cpu()}|{torch.get_num_threads()}|{rows}|{sorted({tuple(m.weight.shape) for m in large})}"
+    if key not in GEMV_LIMITS:
+        GEMV_LIMITS.update(read_limits())
     if key not in GEMV_LIMITS:
         timed, held = [], 0              # enough layers to stream TIMED_BYTES (no cache holds them), in order
         for m in large:
@@ -253,7 +258,33 @@ def gemv_limit(layers: list[Linear], rows: int) -> int:
                 m.make_plan(rows, True, limit)
             times[limit] = pass_time(timed, rows)
         GEMV_LIMITS[key] = min(times, key=times.get)
+        write_limits()
     return GEMV_LIMITS[key]
+
+
+def limits_path():
+    return build.cache_root() / "plans.json"
+
+
+def read_limits() -> dict[str, int]:
+    try:
+        found = json.loads(limits_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in found.items() if type(v) is int} if isinstance(found, dict) else {}
+
+
+def write_limits() -> None:
+    """plans.json: what another process stored, and ours, written whole and renamed into place (atomic);
+    where the cache cannot be written the next process times again."""
+    path = limits_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({**read_limits(), **GEMV_LIMITS}, f, indent=0, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def pass_time(layers: list[Linear], rows: int) -> float:
