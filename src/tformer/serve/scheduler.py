@@ -132,7 +132,8 @@ class Scheduler:
         budget = self.prefill_tokens if self.running else max(self.prefill_tokens, self.model.cfg.max_seq_len)
         chunks = self._joining(budget)
         if self.together:
-            self._step(chunks)
+            if chunks or self.running:                 # (the waiting ones may all have been cancelled)
+                self._step(chunks)
         else:
             for seq, chunk in chunks:
                 self._prefill(seq, chunk)
@@ -207,8 +208,9 @@ class Scheduler:
         tensor = torch.tensor
         hidden = self.model.step(tensor(ids, device=self.device)[:, None], RaggedCache(parts, self.device),
                                  positions=tensor(positions, device=self.device)[:, None], head=False)   # (N, D)
-        if not heads:                                            # only a prompt's middle: nothing to choose
-            self._fed(*chunks[0][0:1], len(chunks[0][1]), None)
+        if not heads:                                  # a prompt's middle chunk alone: nothing to choose yet
+            seq, chunk = chunks[0]
+            self._fed(seq, len(chunk), None)
             return
         select_adapters(self.model, [adapters[i] for i in heads])         # an adapter may reach the output layer
         logits = self.model.lm_head(hidden[tensor(heads, device=self.device)])                          # (M, V)
