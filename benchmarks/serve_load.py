@@ -82,10 +82,10 @@ class Result:
         self.error: str | None = None
 
 
-def one_request(base: str, prompt: str, max_tokens: int) -> Result:
-    """Stream one completion; record when each chunk (one token) arrives."""
+def one_request(base: str, prompt: str, max_tokens: int, model: str = "gpt2-small-random") -> Result:
+    """Stream one greedy completion; record when each chunk (one token) arrives."""
     res = Result()
-    body = {"model": "gpt2-small-random", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     res.start = time.perf_counter()
     try:

@@ -51,6 +51,12 @@ def register(sub) -> None:
     p.add_argument("--prefix-cache-mb", type=nonneg_float, default=None, metavar="MIB",
                    help="keys and values of prompt prefixes kept for reuse by later prompts (decoders); "
                         "0 turns the prefix cache off (default: serve.Options', see docs/SERVING.md)")
+    p.add_argument("--prompt-lookup", type=positive_int, default=None, metavar="N",
+                   help="speculative decoding without a draft model (decoders): each row drafts the tokens that "
+                        "followed its last N tokens earlier in its text and the step checks them; the same text "
+                        "as without (default: off)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=None, metavar="K",
+                   help="tokens drafted per row and step with --prompt-lookup (default 4)")
     p.set_defaults(func=run)
 
 
@@ -74,8 +80,14 @@ def run(args) -> int:
     except ImportError as e:
         raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
             from None
+    if args.num_draft_tokens is not None and args.prompt_lookup is None:
+        raise ConfigError("--num-draft-tokens needs --prompt-lookup N")
     served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter)
-    given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb))
+    if args.prompt_lookup is not None and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
+        raise ConfigError(f"--prompt-lookup serves decoders without a position bias; {served.name!r} is "
+                          f"{'an encoder-decoder' if served.kind == 'encoder-decoder' else 'not one'}")
+    given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb),
+                               ("prompt_lookup", args.prompt_lookup), ("draft_tokens", args.num_draft_tokens))
              if v is not None}                                    # else Options' defaults, stated there once
     app = create_app(served, Options(args.max_batch, args.max_queue, args.api_key or None, args.max_body, **given))
     try:

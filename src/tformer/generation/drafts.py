@@ -100,16 +100,22 @@ class PromptLookup:
 
     def propose(self, seqs: Tensor, cur: int, k: int, s: Settings, seen: Tensor | None,
                 generator: torch.Generator | None) -> tuple[Tensor, None]:
-        row = seqs[0, :cur]
-        for n in range(min(self.ngram, cur - 1), 0, -1):
-            starts = (row[:cur - 1].unfold(0, n, 1) == row[cur - n:]).all(dim=1).nonzero()[:, 0]   # before the tail
-            if starts.numel():
-                full = starts[starts + n + k <= cur]
-                begin = int(full[-1] if full.numel() else starts[0]) + n
-                tokens = row[begin:begin + k].clone()
-                seqs[0, cur:cur + tokens.numel()] = tokens
-                return tokens, None
-        return row.new_empty(0), None
+        tokens = lookup(seqs[0, :cur], self.ngram, k)
+        seqs[0, cur:cur + tokens.numel()] = tokens
+        return tokens, None
 
     def rewind(self, length: int) -> None:
         """Nothing to forget: the text is read afresh every round."""
+
+
+def lookup(row: Tensor, ngram: int, k: int) -> Tensor:
+    """Prompt lookup's proposal for the text `row` (T,): up to k tokens that followed the last `ngram`
+    tokens (else fewer, down to one) where they occurred before; empty when nothing matches."""
+    cur = row.numel()
+    for n in range(min(ngram, cur - 1), 0, -1):
+        starts = (row[:cur - 1].unfold(0, n, 1) == row[cur - n:]).all(dim=1).nonzero()[:, 0]   # before the tail
+        if starts.numel():
+            full = starts[starts + n + k <= cur]
+            begin = int(full[-1] if full.numel() else starts[0]) + n
+            return row[begin:begin + k].clone()
+    return row.new_empty(0)

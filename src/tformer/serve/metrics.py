@@ -24,6 +24,10 @@ class Metrics:
                                    "prefix cache (copied, not computed)", registry=r)
         self.kv_bytes = Gauge("tformer_kv_cache_bytes", "bytes of keys and values held: the running rows' pool, the "
                               "prompt being prefilled, the prefix cache", ["part"], registry=r)
+        self.drafted = Counter("tformer_speculative_draft_tokens", "tokens drafted by prompt lookup (--prompt-lookup)",
+                               registry=r)
+        self.accepted = Counter("tformer_speculative_accepted_tokens", "drafted tokens the model's own choice "
+                                "matched (each one a forward pass saved)", registry=r)
         self.ttft = Histogram("tformer_time_to_first_token_seconds", "from arrival to the first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tformer_inter_token_latency_seconds", "between consecutive tokens of one sequence",

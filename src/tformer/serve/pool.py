@@ -86,6 +86,32 @@ class SlotView:
         self.layers = layers
 
 
+class SlotRun:
+    """One layer's cache for a run of new tokens in one slot from position `start` on (the KVCache
+    protocol: update writes them and returns the slot's keys up to the last one)."""
+
+    lineage = None
+    ragged = False
+
+    def __init__(self, k: Tensor, v: Tensor, slot: int, start: int):
+        self.k, self.v, self.slot, self.start = k, v, slot, start
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v: (1, H_kv, T, hd) -> the slot's (1, H_kv, start + T, hd)."""
+        i, end = self.slot, self.start + k.size(2)
+        self.k[i, :, self.start:end] = k[0]
+        self.v[i, :, self.start:end] = v[0]
+        return self.k[i:i + 1, :, :end], self.v[i:i + 1, :, :end]
+
+
+class RunCache:
+    """A batch-1 cache over slot i holding `length` positions: what step() reads for new tokens there."""
+
+    def __init__(self, layers: list[SlotLayer], slot: int, length: int):
+        self.layers = [SlotRun(layer.k, layer.v, slot, length) for layer in layers]
+        self.length = length
+
+
 def resized(t: Tensor, rows: int, time: int, dim: int, live: int, keep: int) -> Tensor:
     """A tensor like t with `rows` rows and `time` along `dim`: the live rows [:live] hold t's first
     `keep` positions, then zeros (a masked key is still read: it must be a finite number). The other
@@ -194,10 +220,15 @@ class SlotPool:
     def memory_view(self, n: int) -> Tensor:
         return self.memory[:n, :self.longest_source(n)]
 
-    def advance(self, n: int) -> None:
-        """After a step: every running row holds one more position."""
+    def run(self, i: int, start: int) -> RunCache:
+        """Slot i's cache for tokens written from position `start` on (the drafted tokens a step checks
+        after a row's newest one); reserve room for them first."""
+        return RunCache(self.layers, i, start)
+
+    def advance(self, n: int, filled: list[int] | None = None) -> None:
+        """After a step: every running row holds one more position (or filled[i] more)."""
         for i in range(n):
-            self.lengths[i] += 1
+            self.lengths[i] += 1 if filled is None else filled[i]
 
     # --- rows joining and leaving -------------------------------------------------------------
     def admit(self, slot: int, cache, memory: Tensor | None = None) -> None:

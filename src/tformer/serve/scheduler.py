@@ -22,6 +22,14 @@ blocks is copied into that cache first and only the rest is computed; its own bl
 they fill. A prompt whose first block another prompt of the same iteration is computing waits one
 iteration, and then copies it.
 
+Speculative decoding by prompt lookup (`prompt_lookup` = n, decoders that batch together): a running
+row whose text repeats its last n-gram (else a shorter one) drafts the up to `draft_tokens` tokens
+that followed it (generation/drafts.py `lookup`, as `generate(prompt_lookup=n)`); the step feeds them
+after the row's newest token, into its own slot (pool.run: a part of the ragged batch), and the row
+then takes its own next token from each position in turn while it equals the draft there. Each
+choice is the row's plain one (its settings, grammar and generator, in the same order), so a row's
+text, greedy or seeded, is the one it gets without drafts: the drafts only save passes when right.
+
 Handlers and the loop meet in two places only: `submit` / `cancel` (under a lock), and each
 Sequence's `sink`, which the loop calls with every new Event (the server hands it to asyncio).
 """
@@ -34,6 +42,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from ..generation.drafts import lookup
 from ..model.linear import plan_decoding
 from ..model.lora_batched import select_adapters
 from ..model.ragged import Part, RaggedCache
@@ -52,9 +61,10 @@ class Scheduler:
     """Owns `model`: call start(), then submit() sequences from any thread; stop() ends the loop."""
 
     def __init__(self, model, max_batch: int, max_queue: int, prefill_tokens: int = 256, metrics=None,
-                 prefix_bytes: int = 0):
+                 prefix_bytes: int = 0, prompt_lookup: int = 0, draft_tokens: int = 4):
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.prefill_tokens, self.metrics = prefill_tokens, metrics
+        self.draft_tokens = draft_tokens
         self.device = next(model.parameters()).device
         self.pool = SlotPool(model, max_batch, model.cfg.max_seq_len)
         # decoders only: an encoder-decoder's decoder prompt is one start token, its keys depend on the source
@@ -62,6 +72,7 @@ class Scheduler:
         # decoders: the running rows and the prompt chunks in one forward (ragged.py); an encoder-decoder's
         # rows read their sources, T5's position bias depends on the part: their prompts go alone
         self.together = not model.is_encoder_decoder and model.cfg.positional != "relative"
+        self.prompt_lookup = prompt_lookup if self.together else 0    # drafts ride in the ragged pass
         self.waiting: deque[Sequence] = deque()    # guarded by self.cond
         self.running: list[Sequence] = []          # row i is in pool slot i; loop thread only
         self.prefilling: Sequence | None = None
@@ -186,6 +197,9 @@ class Scheduler:
         """One forward pass for a decoder (model/ragged.py): every running row's next token and the prompt
         chunks together, each token at its own position, so the weights are read once for them all."""
         n, pool, running = len(self.running), self.pool, self.running
+        drafts = self._drafts()                                  # row -> tokens drafted after its newest one
+        if drafts:
+            pool.reserve(n, n, max(pool.lengths[i] + 1 + len(d) for i, d in drafts.items()))
         parts, ids, positions, adapters = [], [], [], []
         if n:
             parts.append(Part(pool.view(n), n, 1, pool.mask(n)))
@@ -193,6 +207,15 @@ class Scheduler:
             positions += pool.lengths[:n]
             adapters += [s.adapter for s in running]
         heads = list(range(n))                                   # the tokens whose logits are needed
+        checks = {}                                              # row -> where its drafts' logits are in heads
+        for i, d in drafts.items():
+            start = pool.lengths[i] + 1                          # after the row's newest token
+            parts.append(Part(pool.run(i, start), 1, len(d)))
+            checks[i] = list(range(len(heads), len(heads) + len(d)))
+            heads += range(len(ids), len(ids) + len(d))
+            ids += d
+            positions += range(start, start + len(d))
+            adapters += [running[i].adapter] * len(d)
         spans = []
         for seq, chunk in chunks:
             parts.append(Part(seq.cache, 1, len(chunk)))
@@ -214,12 +237,39 @@ class Scheduler:
             return
         select_adapters(self.model, [adapters[i] for i in heads])         # an adapter may reach the output layer
         logits = self.model.lm_head(hidden[tensor(heads, device=self.device)])                          # (M, V)
-        pool.advance(n)
-        finished = [i for i in range(n) if running[i].push(running[i].choose(logits[i]), logits[i], self.metrics)]
-        for i in reversed(finished):
-            self._remove(i)
+        pool.advance(n, [self._take(seq, logits[[i, *checks.get(i, ())]], drafts.get(i, []))
+                         for i, seq in enumerate(running)])
+        for i in reversed(range(n)):
+            if running[i].done:
+                self._remove(i)
         for (seq, chunk), span in zip(chunks, spans):
             self._fed(seq, len(chunk), logits[span])
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """Prompt lookup's drafts for the running rows that find their last n-gram earlier in their text, at
+        most draft_tokens each and never past the row's max_tokens or the context."""
+        drafts = {}
+        for i, seq in enumerate(self.running if self.prompt_lookup else ()):
+            room = min(self.draft_tokens, seq.s.max_tokens - len(seq.generated) - 1,
+                       self.pool.max_len - 2 - self.pool.lengths[i])
+            if room > 0:
+                d = lookup(torch.tensor(seq.prompt + seq.generated), self.prompt_lookup, room).tolist()
+                if d:
+                    drafts[i] = d
+        if self.metrics is not None and drafts:
+            self.metrics.drafted.inc(sum(map(len, drafts.values())))
+        return drafts
+
+    def _take(self, seq: Sequence, logits: Tensor, drafted: list[int]) -> int:
+        """The row's tokens from its step's logits (1 + m, V), after its newest token and after each of its
+        m drafts: its own choice at each position, going on while the choice equals the draft fed there
+        (so every logit read follows the row's true text) -> how many tokens it took (positions filled)."""
+        for j in range(len(drafted) + 1):
+            token = seq.choose(logits[j])
+            if seq.push(token, logits[j], self.metrics) or j == len(drafted) or token != drafted[j]:
+                if self.metrics is not None and j:
+                    self.metrics.accepted.inc(j)
+                return j + 1
 
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         """Feed a chunk of seq's prompt alone (an encoder-decoder's, or a decoder with a position bias)."""

@@ -25,6 +25,9 @@ class Options:
     prefill_tokens: int = 128           # prompt tokens fed per iteration with the decoding rows: inter-token p99
                                         # within 3x p50 at about the throughput of 256 (docs/SERVING.md, "Measured")
     prefix_cache_mb: float = 256        # bytes (MiB) of prefilled prompt blocks kept for reuse; 0: no prefix cache
+    prompt_lookup: int = 0              # speculative decoding: drafts from the row's own text after its last
+                                        # n-gram (n = this; 0: off), decoders only; the same text either way
+    draft_tokens: int = 4               # tokens drafted per row and step with prompt_lookup
 
 
 class State:
@@ -43,7 +46,9 @@ class State:
         if self.served.kind in GENERATES:
             self.scheduler = Scheduler(self.served.model, self.options.max_batch, self.options.max_queue,
                                        self.options.prefill_tokens, self.metrics,
-                                       prefix_bytes=int(self.options.prefix_cache_mb * 2**20))
+                                       prefix_bytes=int(self.options.prefix_cache_mb * 2**20),
+                                       prompt_lookup=self.options.prompt_lookup,
+                                       draft_tokens=self.options.draft_tokens)
             self.scheduler.start()
         else:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="tformer-encoder")
