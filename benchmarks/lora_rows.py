@@ -24,9 +24,10 @@ from torch import nn
 
 import tformer
 import tformer.model.lora_batched as lb
-from tformer.model.linear import Linear, plan_decoding
+from tformer.model.linear import Linear
 from tformer.model.lora import apply_lora
 from tformer.model.lora_adapter import Adapter
+from tformer.model.plans import plan_decoding
 
 ROWS, WIDTH, RANK = 16, 768, 8
 

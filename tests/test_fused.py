@@ -8,7 +8,7 @@ from hf_util import save_hf, transformers
 from tformer import Decoder, ModelConfig
 from tformer.inference.fused import GPTStep
 from tformer.kernels import gemv
-from tformer.model.linear import plan_decoding
+from tformer.model.plans import plan_decoding
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"gemv: {gemv.unsupported() or 'not built'}")
 

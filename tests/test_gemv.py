@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
 from tformer.kernels import build, gemv
-from tformer.model import linear
-from tformer.model.linear import Gemv, Linear, Packed, plan_decoding
+from tformer.model import linear, plans
+from tformer.model.linear import Gemv, Linear, Packed
+from tformer.model.plans import plan_decoding
 
 needs_kernel = pytest.mark.skipif(build.unsupported() is not None, reason=f"gemv: {build.unsupported()}")
 
@@ -75,7 +76,7 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
 def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, tmp_path, kernel_faster):
     monkeypatch.setenv("TFORMER_PLANS", "timed")
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))                # the choice is kept here (plans.json)
-    monkeypatch.setattr(linear, "GEMV_LIMITS", {})
+    monkeypatch.setattr(plans, "GEMV_LIMITS", {})
     timed = []
 
     def fake(layers, rows):                        # which plans ran a pass: seconds made up
@@ -83,7 +84,7 @@ def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, 
         timed.append(kinds)
         return {"Gemv": 1.0 if kernel_faster else 3.0, "Packed": 2.0}[min(kinds)]
 
-    monkeypatch.setattr(linear, "pass_time", fake)
+    monkeypatch.setattr(plans, "pass_time", fake)
     torch.manual_seed(0)
     model = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048), Linear(64, 64))   # two large, one tiny
     assert plan_decoding(model, 16) == 2
@@ -95,7 +96,7 @@ def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, 
         torch.testing.assert_close(model[1](x), F.linear(x, model[1].weight, model[1].bias), atol=1e-4, rtol=1e-5)
     again = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048))
     assert plan_decoding(again, 16) == 2 and len(timed) == 2       # the same shapes: decided once
-    monkeypatch.setattr(linear, "GEMV_LIMITS", {})                 # another process reads the per-user cache
+    monkeypatch.setattr(plans, "GEMV_LIMITS", {})                 # another process reads the per-user cache
     assert plan_decoding(again, 16) == 2 and len(timed) == 2 and isinstance(again[0].plan, want)
     assert list(json.loads((tmp_path / "plans.json").read_text()).values()) == [16 if kernel_faster else 8]
     assert plan_decoding(model, gemv.PLAN_ROWS) == 2 and len(timed) == 2 and isinstance(model[0].plan, Gemv)
@@ -104,7 +105,7 @@ def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, 
 @needs_kernel
 def test_a_pass_time_is_a_real_duration():
     layers = [Linear(256, 64), Linear(64, 256)]
-    assert 0 < linear.pass_time(layers, 4) < 1
+    assert 0 < plans.pass_time(layers, 4) < 1
 
 
 @needs_kernel

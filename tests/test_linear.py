@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tformer.model import linear
-from tformer.model.linear import Linear, Packed, Split, plan_decoding
+from tformer.model import linear, plans
+from tformer.model.linear import Linear, Packed, Split
+from tformer.model.plans import plan_decoding, plan_encoding
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
 
@@ -105,10 +106,10 @@ def test_no_packing_when_memory_is_short(monkeypatch, two_threads):
     from tformer.model.models import Decoder
     model = Decoder(ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_layers=1, max_seq_len=32))
     out_layer = 4096 * 256 * 4                                    # the one matrix that would be packed (bytes)
-    monkeypatch.setattr(linear, "available_memory", lambda: 2 * out_layer - 1)
+    monkeypatch.setattr(plans, "available_memory", lambda: 2 * out_layer - 1)
     plan_decoding(model, 1)
     assert model.lm_head.plan is None and isinstance(model.stack.layers[0].ffn.up.plan, Split)
-    monkeypatch.setattr(linear, "available_memory", lambda: 2 * out_layer)
+    monkeypatch.setattr(plans, "available_memory", lambda: 2 * out_layer)
     plan_decoding(model, 1)
     assert isinstance(model.lm_head.plan, Packed)
 
@@ -192,3 +193,35 @@ def test_decoding_with_plans_matches_the_plain_forward(monkeypatch, two_threads)
         if isinstance(m, Linear):
             m.plan = None
     assert torch.equal(model.generate(ids, max_new_tokens=8), planned)
+
+
+@needs_mkldnn
+def test_an_encoder_planned_for_whole_texts_gives_the_plain_forward(monkeypatch):
+    """plan_encoding: packed weights for every large enough matrix, used at any number of rows (here more
+    than a decoding plan's PROMPT_ROWS), F.linear's result; kept while valid, dropped with the weight."""
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Encoder
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(kind="encoder", vocab_size=1000, d_model=256, n_heads=4, n_layers=2, d_ff=1024,
+                                max_seq_len=512, dropout=0.0)).eval()
+    ids, mask = torch.randint(0, 1000, (8, 400)), torch.ones(8, 400, dtype=torch.long)
+    mask[1:, 300:] = 0                                            # 2,500 real tokens: the packed rows
+    large = [m for m in model.modules() if isinstance(m, Linear) and m.weight.numel() >= linear.SPLIT_MIN]
+    assert len(large) == 2 * 4                                    # qkv, out, up, down per layer (by hand)
+    with torch.no_grad():
+        reference = model(ids, mask)
+        assert plan_encoding(model) == len(large) and all(isinstance(m.plan, Packed) for m in large)
+        calls = counting(monkeypatch, Packed)
+        torch.testing.assert_close(model(ids, mask), reference, atol=1e-4, rtol=1e-4)
+        assert len(calls) == len(large)
+        kept = [m.plan for m in large]
+        assert plan_encoding(model) == len(large) and [m.plan for m in large] == kept
+        large[0].weight.add_(0.5)                                 # a changed weight: its plan is stale
+        calls.clear()
+        model(ids, mask)
+        assert len(calls) == len(large) - 1
+        plan_encoding(model)
+        assert large[0].plan is not kept[0] and [m.plan for m in large[1:]] == kept[1:]
+    fresh = Encoder(model.cfg)
+    monkeypatch.setattr(plans, "available_memory", lambda: 0)     # no room for the copies: F.linear
+    assert plan_encoding(fresh) == 0 and all(m.plan is None for m in fresh.modules() if isinstance(m, Linear))

@@ -15,7 +15,7 @@ import tformer
 from hf_util import batch, save_hf, transformers
 from tformer.checkpoints.hf.lora import from_peft, to_peft
 from tformer.errors import ConfigError
-from tformer.model.linear import Plan, plan_decoding
+from tformer.model.linear import Plan
 from tformer.model.lora import (
     LoRALinear,
     apply_lora,
@@ -25,6 +25,7 @@ from tformer.model.lora import (
     remove_lora,
     unmerge,
 )
+from tformer.model.plans import plan_decoding
 
 peft = pytest.importorskip("peft")
 pytestmark = [pytest.mark.filterwarnings(f"ignore:{m}:UserWarning") for m in (   # peft's expected notes

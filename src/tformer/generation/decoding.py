@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..model.linear import plan_decoding
+from ..model.plans import plan_decoding
 from .beam import beam_search
 from .prepare import Prepared, prepare
 from .processors import process_logits

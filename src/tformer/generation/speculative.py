@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..model.linear import plan_decoding
+from ..model.plans import plan_decoding
 from .drafts import ModelDraft, PromptLookup, probabilities, processed, seen_rows
 from .prepare import Prepared
 from .sampling import choose

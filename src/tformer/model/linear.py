@@ -5,7 +5,7 @@ for decoding on a CPU. Each decoding step multiplies a few rows (one per sequenc
 matrix once, so its speed is how fast the kernel reads the weights. PyTorch's default CPU kernels
 for so few rows (MKL's matrix-vector and small-M products) use one core here and read fp32 weights
 at about half of what memory delivers (`python benchmarks/gemv_bandwidth.py`; BENCHMARKS.md,
-"Kernels"). The remedies, chosen per layer by `plan_decoding(model, rows)`, which generate() calls:
+"Kernels"). The remedies, chosen per layer by `plans.plan_decoding(model, rows)`, which generate() calls:
 
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
   AVX-512 or AVX2 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
@@ -31,19 +31,11 @@ plan keeps the weight's storage alive until it is replaced.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import statistics
-import tempfile
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..devices import available_memory
-from ..kernels import build, gemv
+from ..kernels import gemv
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
 PROMPT_ROWS = 2048          # ... except with a gemv or packed plan: prompts, the server's rows and chunks
@@ -85,9 +77,9 @@ class Packed(Plan):
     rows: at 128-512 rows it is 1.1-1.6x F.linear on a Zen 4 (MKL's kernels are slow on AMD CPUs;
     BENCHMARKS.md, "Kernels")."""
 
-    def __init__(self, weight: Tensor, rows: int):
+    def __init__(self, weight: Tensor, rows: int, max_rows: int = PROMPT_ROWS):
         super().__init__(weight, rows)
-        self.max_elems = PROMPT_ROWS * weight.size(1)
+        self.max_elems = max_rows * weight.size(1)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
 
     def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -201,100 +193,3 @@ class Linear(nn.Linear):
             return old
         self.plan = kind(w, rows) if kind is Split or (kind is not None and pack) else None
         return self.plan
-
-
-def plan_decoding(model: nn.Module, rows: int) -> int:
-    """Plan every Linear of `model` for decoding steps of `rows` rows (batch × beams or samples per
-    prompt). Packing is skipped when its copies would take more than half of the memory still
-    available (decoding is then slower, not killed). Returns how many layers have a plan."""
-    rows = max(1, min(rows, MAX_ROWS))
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    to_pack = sum(m.weight.numel() * m.weight.element_size() for m in layers
-                  if m.kind_of_plan(rows) in (Packed, Gemv) and not isinstance(m.plan, (Packed, Gemv)))
-    available = available_memory()
-    pack = available is None or to_pack <= available // 2
-    gemv_rows = gemv_limit(layers, rows) if pack else gemv.PLAN_ROWS
-    return sum(m.make_plan(rows, pack, gemv_rows) is not None for m in layers)
-
-
-TIMED_BYTES = 128 << 20             # weights streamed per timed pass: several times any CPU's last-level cache
-GEMV_LIMITS: dict[str, int] = {}     # "cpu|threads|rows|shapes" -> gemv_rows: timed, or read from plans.json
-
-
-def measuring() -> bool:
-    """Whether plan_decoding times the two kernels (the default) or keeps the rule (TFORMER_PLANS=rules)."""
-    return os.environ.get("TFORMER_PLANS", "timed") != "rules"
-
-
-@functools.cache
-def this_cpu() -> str:
-    return build.cpu()[0]
-
-
-def gemv_limit(layers: list[Linear], rows: int) -> int:
-    """Up to how many rows large fp32 matrices take tformer's kernel rather than oneDNN's packed weights.
-    By rule, gemv.PLAN_ROWS; for steps of more rows, whichever runs a whole step's products faster on this
-    CPU (every weight read from memory, as in a decoding step, not one matrix from the cache, where the two
-    tie), timed once and kept in the per-user cache (plans.json) by CPU, threads, rows and shapes. On a Zen 4
-    at 16 rows the kernel wins: a decoding step of a GPT-2-small-sized model 54 -> 43 ms.
-    TFORMER_PLANS=rules keeps the rule (the tests do)."""
-    large = [m for m in layers if type(m) is Linear and m.kind_of_plan(rows) is Packed
-             and m.kind_of_plan(rows, rows) is Gemv]
-    if not large or not measuring():
-        return gemv.PLAN_ROWS
-    key = f"{this_cpu()}|{torch.get_num_threads()}|{rows}|{sorted({tuple(m.weight.shape) for m in large})}"
-    if key not in GEMV_LIMITS:
-        GEMV_LIMITS.update(read_limits())
-    if key not in GEMV_LIMITS:
-        timed, held = [], 0              # enough layers to stream TIMED_BYTES (no cache holds them), in order
-        for m in large:
-            timed.append(m)
-            held += m.weight.numel() * m.weight.element_size()
-            if held >= TIMED_BYTES:
-                break
-        times = {}
-        for limit in (gemv.PLAN_ROWS, rows):
-            for m in timed:
-                m.make_plan(rows, True, limit)
-            times[limit] = pass_time(timed, rows)
-        GEMV_LIMITS[key] = min(times, key=times.get)
-        write_limits()
-    return GEMV_LIMITS[key]
-
-
-def limits_path():
-    return build.cache_root() / "plans.json"
-
-
-def read_limits() -> dict[str, int]:
-    try:
-        found = json.loads(limits_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: v for k, v in found.items() if type(v) is int} if isinstance(found, dict) else {}
-
-
-def write_limits() -> None:
-    """plans.json: what another process stored, and ours, written whole and renamed into place (atomic);
-    where the cache cannot be written the next process times again."""
-    path = limits_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump({**read_limits(), **GEMV_LIMITS}, f, indent=0, sort_keys=True)
-        os.replace(f.name, path)
-    except OSError:
-        pass
-
-
-def pass_time(layers: list[Linear], rows: int) -> float:
-    """Seconds for one product of `rows` rows by every layer in turn: the median of 3 passes after one."""
-    xs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
-    times = []
-    with torch.no_grad():
-        for _ in range(4):
-            start = time.perf_counter()
-            for m in layers:
-                m(xs[m.in_features])
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])

@@ -33,6 +33,13 @@ class Metrics:
         self.itl = Histogram("tformer_inter_token_latency_seconds", "between consecutive tokens of one sequence",
                              buckets=LATENCY_BUCKETS, registry=r)
 
+    def kv_held(self, running: int, prefill_cache, prefix: int) -> None:
+        """tformer_kv_cache_bytes: the running rows' pool, the prompt being prefilled (its batch-1 cache, or
+        None), the prefix cache."""
+        prefill = sum(2 * c.k.numel() * c.k.element_size() for c in prefill_cache.layers) if prefill_cache else 0
+        for part, held in (("running", running), ("prefill", prefill), ("prefix", prefix)):
+            self.kv_bytes.labels(part).set(held)
+
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -7,28 +7,18 @@
 Each iteration of the loop: drop rows whose client went away, choose the prompt chunks (at most
 `prefill_tokens` prompt tokens while rows are running, so a long prompt never stalls them for more
 than one chunk: it is fed over several iterations; with no row running, whole prompts, as many as
-fit), then ONE forward pass for a decoder (model/ragged.py): every running row's newest token and
-the chunks, each token at its own position, through the same products; only attention keeps the
-parts apart. Encoder-decoders (rows read their sources) and T5-style position biases run the
-chunks alone, then the decoding step. A finished row leaves the batch at once and frees its pool
-slot for the next waiting sequence; the pool then shrinks if it holds twice what is left.
+fit), then ONE forward pass for a decoder (model/ragged.py): every running row's newest token (and,
+with `prompt_lookup`, its drafts: speculation.py) and the chunks, each token at its own position,
+through the same products; only attention keeps the parts apart. Encoder-decoders (rows read their
+sources) and T5-style position biases run the chunks alone, then the decoding step. A finished row
+leaves the batch at once and frees its pool slot; the pool then shrinks if it holds twice what is left.
 
 A prompt's keys and values go into a batch-1 cache of its own, copied into its pool slot when
-complete: they are those a prefill alone computes (its logits are `model.generate`'s, within the
-rounding of a product with more rows), and a row's sampling uses only its own settings and its own
-torch.Generator, so neither the other rows nor the order of arrival change what a request gets.
-With a prefix cache (prefix.py, decoders), the prompt's longest run of already-prefilled 16-token
-blocks is copied into that cache first and only the rest is computed; its own blocks are stored as
-they fill. A prompt whose first block another prompt of the same iteration is computing waits one
-iteration, and then copies it.
-
-Speculative decoding by prompt lookup (`prompt_lookup` = n, decoders that batch together): a running
-row whose text repeats its last n-gram (else a shorter one) drafts the up to `draft_tokens` tokens
-that followed it (generation/drafts.py `lookup`, as `generate(prompt_lookup=n)`); the step feeds them
-after the row's newest token, into its own slot (pool.run: a part of the ragged batch), and the row
-then takes its own next token from each position in turn while it equals the draft there. Each
-choice is the row's plain one (its settings, grammar and generator, in the same order), so a row's
-text, greedy or seeded, is the one it gets without drafts: the drafts only save passes when right.
+complete: those a prefill alone computes (its logits are `model.generate`'s, within the rounding of a
+product with more rows); a row samples with its own settings and torch.Generator, so neither the other
+rows nor the order of arrival change what a request gets. With a prefix cache (prefix.py, decoders),
+the prompt's longest run of stored 16-token blocks is copied into that cache first and only the rest
+is computed; its own blocks are stored as they fill.
 
 Handlers and the loop meet in two places only: `submit` / `cancel` (under a lock), and each
 Sequence's `sink`, which the loop calls with every new Event (the server hands it to asyncio).
@@ -42,13 +32,13 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from ..generation.drafts import lookup
-from ..model.linear import plan_decoding
 from ..model.lora_batched import select_adapters
+from ..model.plans import plan_decoding
 from ..model.ragged import Part, RaggedCache
 from .pool import SlotPool
 from .prefix import PrefixCache
 from .sequence import Event, Sampling, Sequence, Token
+from .speculation import propose, take
 
 __all__ = ["Scheduler", "QueueFull", "Sequence", "Sampling", "Event", "Token"]
 
@@ -197,34 +187,33 @@ class Scheduler:
         """One forward pass for a decoder (model/ragged.py): every running row's next token and the prompt
         chunks together, each token at its own position, so the weights are read once for them all."""
         n, pool, running = len(self.running), self.pool, self.running
-        drafts = self._drafts()                                  # row -> tokens drafted after its newest one
+        drafts = propose(self.running, pool.lengths, self.prompt_lookup, self.draft_tokens, pool.max_len,
+                         self.metrics)                          # row -> tokens drafted after its newest one
         if drafts:
             pool.reserve(n, n, max(pool.lengths[i] + 1 + len(d) for i, d in drafts.items()))
         parts, ids, positions, adapters = [], [], [], []
-        if n:
-            parts.append(Part(pool.view(n), n, 1, pool.mask(n)))
-            ids += [s.generated[-1] for s in running]
-            positions += pool.lengths[:n]
-            adapters += [s.adapter for s in running]
-        heads = list(range(n))                                   # the tokens whose logits are needed
+
+        def feed(part: Part, tokens: list[int], at, adapter: list[int]) -> range:
+            """The part's tokens into the pass, at positions `at`, each with its adapter -> their indices."""
+            parts.append(part)
+            ids.extend(tokens)
+            positions.extend(at)
+            adapters.extend(adapter)
+            return range(len(ids) - len(tokens), len(ids))
+
+        heads = list(feed(Part(pool.view(n), n, 1, pool.mask(n)), [s.generated[-1] for s in running],
+                          pool.lengths[:n], [s.adapter for s in running]) if n else [])   # whose logits we need
         checks = {}                                              # row -> where its drafts' logits are in heads
-        for i, d in drafts.items():
-            start = pool.lengths[i] + 1                          # after the row's newest token
-            parts.append(Part(pool.run(i, start), 1, len(d)))
-            checks[i] = list(range(len(heads), len(heads) + len(d)))
-            heads += range(len(ids), len(ids) + len(d))
-            ids += d
-            positions += range(start, start + len(d))
-            adapters += [running[i].adapter] * len(d)
+        for i, d in drafts.items():                              # after the row's newest token, in its slot
+            start, checks[i] = pool.lengths[i] + 1, list(range(len(heads), len(heads) + len(d)))
+            heads += feed(Part(pool.run(i, start), 1, len(d)), d, range(start, start + len(d)),
+                          [running[i].adapter] * len(d))
         spans = []
         for seq, chunk in chunks:
-            parts.append(Part(seq.cache, 1, len(chunk)))
-            start, end = len(ids), len(ids) + len(chunk)
-            ids += chunk
-            positions += range(seq.fed, seq.fed + len(chunk))
-            adapters += [seq.adapter] * len(chunk)
+            fed = feed(Part(seq.cache, 1, len(chunk)), chunk, range(seq.fed, seq.fed + len(chunk)),
+                       [seq.adapter] * len(chunk))
             every, last = seq.s.prompt_logprobs, seq.fed + len(chunk) == len(seq.prompt)
-            wanted = range(start, end) if every else range(end - 1, end) if last else range(0)
+            wanted = fed if every else fed[-1:] if last else range(0)
             spans.append(slice(len(heads), len(heads) + len(wanted)))
             heads += wanted
         select_adapters(self.model, adapters)                    # each token's LoRA adapter
@@ -237,39 +226,13 @@ class Scheduler:
             return
         select_adapters(self.model, [adapters[i] for i in heads])         # an adapter may reach the output layer
         logits = self.model.lm_head(hidden[tensor(heads, device=self.device)])                          # (M, V)
-        pool.advance(n, [self._take(seq, logits[[i, *checks.get(i, ())]], drafts.get(i, []))
+        pool.advance(n, [take(seq, logits[[i, *checks.get(i, ())]], drafts.get(i, []), self.metrics)
                          for i, seq in enumerate(running)])
         for i in reversed(range(n)):
             if running[i].done:
                 self._remove(i)
         for (seq, chunk), span in zip(chunks, spans):
             self._fed(seq, len(chunk), logits[span])
-
-    def _drafts(self) -> dict[int, list[int]]:
-        """Prompt lookup's drafts for the running rows that find their last n-gram earlier in their text, at
-        most draft_tokens each and never past the row's max_tokens or the context."""
-        drafts = {}
-        for i, seq in enumerate(self.running if self.prompt_lookup else ()):
-            room = min(self.draft_tokens, seq.s.max_tokens - len(seq.generated) - 1,
-                       self.pool.max_len - 2 - self.pool.lengths[i])
-            if room > 0:
-                d = lookup(torch.tensor(seq.prompt + seq.generated), self.prompt_lookup, room).tolist()
-                if d:
-                    drafts[i] = d
-        if self.metrics is not None and drafts:
-            self.metrics.drafted.inc(sum(map(len, drafts.values())))
-        return drafts
-
-    def _take(self, seq: Sequence, logits: Tensor, drafted: list[int]) -> int:
-        """The row's tokens from its step's logits (1 + m, V), after its newest token and after each of its
-        m drafts: its own choice at each position, going on while the choice equals the draft fed there
-        (so every logit read follows the row's true text) -> how many tokens it took (positions filled)."""
-        for j in range(len(drafted) + 1):
-            token = seq.choose(logits[j])
-            if seq.push(token, logits[j], self.metrics) or j == len(drafted) or token != drafted[j]:
-                if self.metrics is not None and j:
-                    self.metrics.accepted.inc(j)
-                return j + 1
 
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         """Feed a chunk of seq's prompt alone (an encoder-decoder's, or a decoder with a position bias)."""
@@ -332,10 +295,6 @@ class Scheduler:
             self.metrics.batch.set(len(self.running))
 
     def _memory_gauges(self) -> None:
-        """Bytes of keys and values held: the running rows' pool, the prompt being prefilled, the prefix cache."""
         if self.metrics is not None:
-            held = self.metrics.kv_bytes
-            held.labels("running").set(self.pool.nbytes())
-            cache = self.prefilling.cache if self.prefilling is not None else None
-            held.labels("prefill").set(sum(2 * c.k.numel() * c.k.element_size() for c in cache.layers) if cache else 0)
-            held.labels("prefix").set(self.prefix.nbytes if self.prefix is not None else 0)
+            self.metrics.kv_held(self.pool.nbytes(), self.prefilling.cache if self.prefilling is not None else None,
+                                 self.prefix.nbytes if self.prefix is not None else 0)

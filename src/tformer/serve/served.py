@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..evaluation.batching import length_batches, pad
 from ..evaluation.classify import encode_texts, predict_proba
 from ..generation.settings import eos_ids
+from ..model.plans import plan_encoding
 from ..model.pooling import POOLINGS
 from .adapters import Adapters
 
@@ -130,6 +131,7 @@ class Served:
     def embed(self, texts: list[str]) -> tuple[torch.Tensor, int]:
         """Mean of the real tokens' vectors, unit length (sentence-transformers' recipe): (N, D), tokens."""
         seqs = self._encoder_inputs(texts)
+        plan_encoding(self.model)                                        # once: oneDNN's packed weights
         out = torch.empty(len(seqs), self.model.cfg.d_model)
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
         for rows in length_batches([len(s) for s in seqs], ENCODER_BATCH):
@@ -141,4 +143,5 @@ class Served:
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, int]:
         """Label probabilities (N, labels) and the number of tokens read."""
         seqs = self._encoder_inputs(texts)
+        plan_encoding(self.model)
         return predict_proba(self.model, self.tokenizer, texts, self.context, ENCODER_BATCH), sum(map(len, seqs))
