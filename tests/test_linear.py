@@ -225,3 +225,18 @@ def test_an_encoder_planned_for_whole_texts_gives_the_plain_forward(monkeypatch)
     fresh = Encoder(model.cfg)
     monkeypatch.setattr(plans, "available_memory", lambda: 0)     # no room for the copies: F.linear
     assert plan_encoding(fresh) == 0 and all(m.plan is None for m in fresh.modules() if isinstance(m, Linear))
+
+
+@needs_mkldnn
+def test_plans_step_aside_under_autocast(monkeypatch):
+    """Under autocast F.linear multiplies in the autocast dtype; an fp32 plan would not: it is not used."""
+    m = layer(256, 512)
+    plan_decoding(m, 1)
+    calls = counting(monkeypatch, Packed)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        assert calls == [] and y.dtype == torch.bfloat16
+        m(x)
+    assert calls == ["Packed"]

@@ -64,8 +64,10 @@ class Plan:
         return weight.data_ptr() == self.ptr and version == self.version
 
     def usable(self, x: Tensor, weight: Tensor) -> bool:
+        """No gradient, x in the weight's dtype and not under autocast (F.linear would multiply in its
+        dtype), within the rows it serves, and the weight unchanged."""
         return (not torch.is_grad_enabled() and x.dtype == weight.dtype and x.numel() <= self.max_elems
-                and self.made_for(weight))
+                and not torch.is_autocast_enabled(x.device.type) and self.made_for(weight))
 
     def __deepcopy__(self, memo):
         return None            # a copy gets its own plan when it generates (and oneDNN's tensors cannot be copied)
