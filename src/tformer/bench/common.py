@@ -73,10 +73,9 @@ class PeerProcess:
     """A peer engine loaded and run in a child process, called like a function from the parent, so
     its calls still interleave with tformer's (interleaved_times) without sharing a process with it.
 
-    Why: CTranslate2 brings its own threading runtime (OpenMP); once it has run in a process, tformer's
-    decoding in that process is slower, and once torch has run in a process CTranslate2 is slower there
-    (BENCHMARKS.md, "Each engine in its own process"): one process would measure the co-tenancy, not
-    the engines. `factory(*args)` runs in the child and returns the function each call runs there;
+    Why: imported after torch, CTranslate2's OpenMP calls bind to torch's libgomp, whose two thread pools
+    then outnumber the cores and stop spinning: both engines are slower in that process (BENCHMARKS.md,
+    "In one process: the shared OpenMP runtime"); one process would measure the co-tenancy, not the engines. `factory(*args)` runs in the child and returns the function each call runs there;
     arguments and results travel by pipe."""
 
     def __init__(self, factory: Callable[..., Callable], *args):
