@@ -240,3 +240,20 @@ def test_plans_step_aside_under_autocast(monkeypatch):
         assert calls == [] and y.dtype == torch.bfloat16
         m(x)
     assert calls == ["Packed"]
+
+
+def test_ctranslate2_imported_after_torch_is_one_warning_line(monkeypatch, capsys):
+    """The import order decides whether CTranslate2 shares torch's OpenMP runtime (BENCHMARKS.md, "In one
+    process"): after torch, one warning line however often plans are made; before torch or absent, none."""
+    from tformer import devices
+    assert devices.shares_openmp(["sys", "torch", "numpy", "ctranslate2"])
+    assert not devices.shares_openmp(["sys", "ctranslate2", "torch"]) and not devices.shares_openmp(["torch"])
+    devices.warn_once.cache_clear()
+    monkeypatch.setattr(devices, "shares_openmp", lambda: True)
+    for _ in range(3):
+        plan_decoding(layer(64, 64), 1)
+    assert capsys.readouterr().err == f"warning: {devices.SHARED_OPENMP}\n"
+    monkeypatch.setattr(devices, "shares_openmp", lambda: False)
+    devices.warn_once.cache_clear()
+    plan_decoding(layer(64, 64), 1)
+    assert capsys.readouterr().err == ""

@@ -1,17 +1,20 @@
 """Which device to run on, and how much memory it has: plain probes of the machine.
 
 This module sits below every other: it imports only torch and the leaf `errors` module, so the
-model core (linear.py), the resource checks (limits.py) and training can all use it.
+model core (linear.py), the resource checks (limits.py) and training can all use it. Also the one
+neighbour known to slow decoding down from inside the process (`warn_shared_openmp`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import sys
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, warn
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -71,3 +74,26 @@ def cxx_compiler() -> str | None:
         if found := shutil.which(name):
             return found
     return None
+
+
+SHARED_OPENMP = ("ctranslate2 was imported after torch: its OpenMP calls run on torch's runtime, and once it has run, "
+                 "the two thread pools outnumber the cores and stop spinning: both engines decode up to a third "
+                 "slower; import ctranslate2 before torch and tformer (BENCHMARKS.md, \"In one process\")")
+
+
+def shares_openmp(modules: list[str] | None = None) -> bool:
+    """Whether CTranslate2 was imported after torch (`modules`: the import order, sys.modules' by default)."""
+    names = list(sys.modules) if modules is None else modules
+    return "ctranslate2" in names and "torch" in names and names.index("torch") < names.index("ctranslate2")
+
+
+def warn_shared_openmp() -> None:
+    """SHARED_OPENMP as one warning line, once per process, where it applies (checked at every call:
+    CTranslate2 may come later)."""
+    if shares_openmp():
+        warn_once(SHARED_OPENMP)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    warn(message)

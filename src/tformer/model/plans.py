@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from ..devices import available_memory
+from ..devices import available_memory, warn_shared_openmp
 from ..kernels import build, gemv
 from .linear import MAX_ROWS, SPLIT_MIN, Gemv, Linear, Packed, packs
 
@@ -24,6 +24,7 @@ def plan_decoding(model: nn.Module, rows: int) -> int:
     """Plan every Linear of `model` for decoding steps of `rows` rows (batch × beams or samples per
     prompt). Packing is skipped when its copies would take more than half of the memory still
     available (decoding is then slower, not killed). Returns how many layers have a plan."""
+    warn_shared_openmp()
     rows = max(1, min(rows, MAX_ROWS))
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     to_pack = sum(m.weight.numel() * m.weight.element_size() for m in layers
