@@ -75,8 +75,9 @@ class PeerProcess:
 
     Why: imported after torch, CTranslate2's OpenMP calls bind to torch's libgomp, whose two thread pools
     then outnumber the cores and stop spinning: both engines are slower in that process (BENCHMARKS.md,
-    "In one process: the shared OpenMP runtime"); one process would measure the co-tenancy, not the engines. `factory(*args)` runs in the child and returns the function each call runs there;
-    arguments and results travel by pipe."""
+    "In one process: the shared OpenMP runtime"); one process would measure the co-tenancy, not the
+    engines. `factory(*args)` runs in the child and returns the function each call runs there; arguments
+    and results travel by pipe."""
 
     def __init__(self, factory: Callable[..., Callable], *args):
         ctx = multiprocessing.get_context("spawn")        # a fresh interpreter: no torch state inherited

@@ -11,8 +11,9 @@ A decoding step feeds one token per row. `view(n)` is the Cache the model's step
 row's new key and value go to its own position lengths[i]; attention sees slots [:n] up to the
 longest row (one strided view: no gather), and `mask(n)` hides every row's tail beyond its own
 length (a row's drafted tokens, with --prompt-lookup, go into its own slot after it: `run(i, start)`,
-and `advance` then counts the ones it took). A row that finishes is replaced by the last row (`move`: one copy per finish), so running
-rows stay compacted and a step costs what its n rows need, not max_batch.
+and `advance` then counts the ones it took). A row that finishes is replaced by the last row (`move`:
+one copy per finish), so running rows stay compacted and a step costs what its n rows need, not
+max_batch.
 
 Memory follows the rows: `reserve` grows the pool when a row joins or the longest row reaches the
 end (rows to the next power of two, time to the longest + a quarter, in blocks of 64 positions),
