@@ -1,5 +1,6 @@
-"""tformer serve --prompt-lookup N: speculative decoding inside the batch (serve/scheduler.py), each row
-drafting from its own text and checking the drafts in the step's ragged pass. References: generate() on
+"""tformer serve --prompt-lookup N / --draft-model RUN: speculative decoding inside the batch
+(serve/scheduler.py, serve/speculation.py), each row drafting from its own text or by a small model, and
+checking the drafts in the step's ragged pass. References: generate() on
 each prompt alone (greedy, a separately loaded model), the same requests on a server without drafts
 (seeded samples with penalties, logit bias and logprobs; JSON-schema answers; adapters), the metrics'
 counts against their invariant, and the CLI's refusals."""
@@ -60,24 +61,52 @@ def test_greedy_rows_with_drafts_equal_generate_alone_and_drafts_are_taken(decod
     assert 0 < accepted <= drafted        # some drafts were right: those tokens took no pass of their own
 
 
+@pytest.fixture(scope="module")
+def drafts(decoder, tmp_path_factory):
+    """Draft models: the model itself (every greedy draft right, up to rounding) and a smaller random one
+    with the same tokenizer (mostly wrong: the rows reject)."""
+    return {"itself": decoder, "other": save_tiny(tmp_path_factory.mktemp("draft") / "small", "decoder", seed=7,
+                                                  d_model=16, n_layers=1, max_seq_len=256)}
+
+
+@pytest.mark.parametrize("which", ["itself", "other"])
+def test_greedy_rows_with_a_draft_model_equal_generate_alone(decoder, drafts, which):
+    with serving(decoder, draft=drafts[which], max_batch=3, prefill_tokens=8, draft_tokens=3) as (base, _):
+        c = client(base)                         # more requests than rows: slots move and are freed under the draft
+        got = concurrently(lambda i: c.completions.create(model="dec", prompt=PROMPTS[i], max_tokens=LENGTHS[i],
+                                                          temperature=0), range(len(PROMPTS)))
+        drafted = metric(base, "tformer_speculative_draft_tokens_total")
+        accepted = metric(base, "tformer_speculative_accepted_tokens_total")
+        generated = metric(base, "tformer_generated_tokens_total")
+    model = tformer.load(decoder)
+    assert [r.choices[0].text for r in got] == [reference(model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert generated == sum(LENGTHS)
+    # each row drafts in every step but its last, up to 3 tokens: at least a third of its tokens were drafted
+    assert drafted >= (sum(LENGTHS) - len(LENGTHS)) / 3
+    if which == "itself":
+        assert accepted >= 0.95 * drafted     # the model's own greedy tokens (a near tie may round the other way)
+    else:
+        assert accepted <= 0.5 * drafted
+
+
 def test_sampled_penalised_rows_get_the_text_they_get_without_drafts(decoder):
     """Seeded samples with every processor and logprobs: the same text and log-probabilities with and
     without drafts (each position's choice is the row's own, from its own generator, in the same order)."""
     asks = [dict(prompt=p, max_tokens=30, temperature=t, seed=k, top_p=0.9, frequency_penalty=0.4,
                  presence_penalty=0.2, logit_bias={"3": 2.0, "5": -100}, logprobs=2)
             for k, (p, t) in enumerate(zip(PROMPTS, [0.3, 0.5, 1.0, 0.3, 0.7]))]
-    answers, accepted = [], 0.0
-    for lookup in (None, 1):
-        options = dict(prompt_lookup=lookup) if lookup else {}
+    answers, accepted = [], []
+    for options in ({}, dict(prompt_lookup=1), dict(draft=decoder)):
         with serving(decoder, max_batch=4, prefill_tokens=16, **options) as (base, _):
             c = client(base)
             answers.append(concurrently(lambda ask: c.completions.create(model="dec", **ask).choices[0], asks))
-            accepted = metric(base, "tformer_speculative_accepted_tokens_total")
-    for plain, drafted in zip(*answers):
-        assert drafted.text == plain.text
-        assert drafted.logprobs.tokens == plain.logprobs.tokens
-        assert drafted.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
-    assert accepted > 0
+            accepted.append(metric(base, "tformer_speculative_accepted_tokens_total"))
+    for plain, *drafted in zip(*answers):
+        for other in drafted:                                   # by prompt lookup, by a draft model
+            assert other.text == plain.text
+            assert other.logprobs.tokens == plain.logprobs.tokens
+            assert other.logprobs.token_logprobs == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert accepted[1] > 0 and accepted[2] > 0
 
 
 def test_json_schema_answers_are_the_same_with_drafts(tmp_path):
@@ -125,8 +154,28 @@ def test_rows_of_different_adapters_check_their_drafts_with_their_own(decoder, t
 def test_cli_refuses_drafts_it_cannot_serve(decoder, tmp_path, capsys):
     assert main(["serve", "--model", str(decoder), "--num-draft-tokens", "3"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: --num-draft-tokens needs --prompt-lookup N\n"
+    assert err == "error: --num-draft-tokens needs --prompt-lookup N or --draft-model RUN\n"
+    assert main(["serve", "--model", str(decoder), "--prompt-lookup", "2", "--draft-model", str(decoder)]) == 2
+    assert capsys.readouterr().err == "error: give --draft-model or --prompt-lookup, not both (one source of drafts)\n"
+    other = save_tiny(tmp_path / "other", "decoder", tokenizer=Tokenizer.char("xyz"), max_seq_len=256)
+    short = save_tiny(tmp_path / "short", "decoder", max_seq_len=64)
+    for draft, why in ((other, "has another tokenizer"), (short, "has a context of 64 positions")):
+        assert main(["serve", "--model", str(decoder), "--draft-model", str(draft)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --draft-model") and why in err and err.count("\n") == 1
     seq2seq = save_tiny(tmp_path / "s2s", "encoder-decoder")
     assert main(["serve", "--model", str(seq2seq), "--prompt-lookup", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --prompt-lookup serves decoders") and err.count("\n") == 1
+
+
+def test_a_row_that_never_drafted_moves_into_a_freed_slot(drafts):
+    """The draft's pool grows when rows first draft: a row admitted after the last drafting step and moved
+    (a cancelled row's slot) has no allocated slot to copy, and holds nothing."""
+    from tformer.serve.speculation import DraftModel
+
+    draft = DraftModel(tformer.load(drafts["other"]), 3, max_batch=4, max_len=256)
+    draft.pool.reserve(0, 1, 8)                           # one slot allocated, then rows 1-3 joined
+    draft.pool.lengths[0] = 5
+    draft.move(3, 0)
+    assert draft.pool.lengths[:4] == [0, 0, 0, 0] and draft.pool.rows == 1

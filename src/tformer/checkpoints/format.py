@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..data.tokenizers import Tokenizer
-from ..errors import CheckpointError, TformerError
+from ..errors import CheckpointError, ConfigError, TformerError
 from ..model.config import ModelConfig
 from ..model.heads import EncoderClassifier, EncoderTokenClassifier
 from ..model.lora import refuse_adapters
@@ -279,3 +279,18 @@ def load_source_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
         raise CheckpointError(f"{data['_dir']} has a {SOURCE_TOKENIZER}, but its model shares one vocabulary "
                               "(no src_vocab_size); re-save it without source_tokenizer")
     return Tokenizer.from_file(file) if separate else None
+
+
+def load_draft(path: str | os.PathLike, tokenizer: Tokenizer, context: int = 0, device=None) -> nn.Module:
+    """A draft model for speculative decoding (`--draft-model`): a decoder with the model's tokenizer
+    (`tokenizer`'s vocabulary, token for token) and a context of at least `context` positions."""
+    draft = load(path, device)
+    if draft.kind != "decoder":
+        raise ConfigError(f"--draft-model {path} holds a {type(draft).__name__}; a draft must be a decoder (GPT-style)")
+    if load_tokenizer(path).hf.get_vocab(with_added_tokens=True) != tokenizer.hf.get_vocab(with_added_tokens=True):
+        raise ConfigError(f"--draft-model {path} has another tokenizer than the model (a draft must be trained with "
+                          f"the model's tokenizer: --tokenizer RUN/tokenizer.json)")
+    if draft.cfg.max_seq_len < context:
+        raise ConfigError(f"--draft-model {path} has a context of {draft.cfg.max_seq_len} positions, the model "
+                          f"{context}: a draft must see as much of the text")
+    return draft

@@ -125,16 +125,9 @@ def _speculation(args, tokenizer) -> dict:
         raise TformerError("give --draft-model or --prompt-lookup, not both")
     draft = None
     if args.draft_model is not None:
-        from tformer.checkpoints.format import load, load_tokenizer
+        from tformer.checkpoints.format import load_draft
 
-        draft = load(args.draft_model)
-        if draft.kind != "decoder":
-            raise TformerError(f"--draft-model {args.draft_model} holds a {type(draft).__name__}; a draft must be a "
-                               f"decoder (GPT-style)")
-        vocab = load_tokenizer(args.draft_model).hf.get_vocab(with_added_tokens=True)
-        if vocab != tokenizer.hf.get_vocab(with_added_tokens=True):
-            raise TformerError(f"--draft-model {args.draft_model} has another tokenizer than --model (a draft must "
-                               f"be trained with the model's tokenizer: --tokenizer RUN/tokenizer.json)")
+        draft = load_draft(args.draft_model, tokenizer)        # generate() checks its context against the text
     return dict(draft_model=draft, prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                 speculative_stats=SpeculativeStats())
 

@@ -55,8 +55,11 @@ def register(sub) -> None:
                    help="speculative decoding without a draft model (decoders): each row drafts the tokens that "
                         "followed its last N tokens earlier in its text and the step checks them; the same text "
                         "as without (default: off)")
+    p.add_argument("--draft-model", default=None, metavar="RUN",
+                   help="speculative decoding with a small decoder trained with the model's tokenizer: it drafts "
+                        "for every row, the step checks; the same text as without (default: off)")
     p.add_argument("--num-draft-tokens", type=positive_int, default=None, metavar="K",
-                   help="tokens drafted per row and step with --prompt-lookup (default 4)")
+                   help="tokens drafted per row and step with --prompt-lookup or --draft-model (default 4)")
     p.set_defaults(func=run)
 
 
@@ -80,11 +83,14 @@ def run(args) -> int:
     except ImportError as e:
         raise ConfigError(f"tformer serve needs the serve extra ({e.name} is missing): pip install 'tformer[serve]'") \
             from None
-    if args.num_draft_tokens is not None and args.prompt_lookup is None:
-        raise ConfigError("--num-draft-tokens needs --prompt-lookup N")
-    served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter)
-    if args.prompt_lookup is not None and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
-        raise ConfigError(f"--prompt-lookup serves decoders without a position bias; {served.name!r} is "
+    if args.num_draft_tokens is not None and args.prompt_lookup is None and args.draft_model is None:
+        raise ConfigError("--num-draft-tokens needs --prompt-lookup N or --draft-model RUN")
+    if args.prompt_lookup is not None and args.draft_model is not None:
+        raise ConfigError("give --draft-model or --prompt-lookup, not both (one source of drafts)")
+    served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter, args.draft_model)
+    drafts = "--prompt-lookup" if args.prompt_lookup is not None else "--draft-model" if args.draft_model else None
+    if drafts and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
+        raise ConfigError(f"{drafts} serves decoders without a position bias; {served.name!r} is "
                           f"{'an encoder-decoder' if served.kind == 'encoder-decoder' else 'not one'}")
     given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb),
                                ("prompt_lookup", args.prompt_lookup), ("draft_tokens", args.num_draft_tokens))

@@ -24,7 +24,7 @@ class Metrics:
                                    "prefix cache (copied, not computed)", registry=r)
         self.kv_bytes = Gauge("tformer_kv_cache_bytes", "bytes of keys and values held: the running rows' pool, the "
                               "prompt being prefilled, the prefix cache", ["part"], registry=r)
-        self.drafted = Counter("tformer_speculative_draft_tokens", "tokens drafted by prompt lookup (--prompt-lookup)",
+        self.drafted = Counter("tformer_speculative_draft_tokens", "tokens drafted (--prompt-lookup, --draft-model)",
                                registry=r)
         self.accepted = Counter("tformer_speculative_accepted_tokens", "drafted tokens the model's own choice "
                                 "matched (each one a forward pass saved)", registry=r)

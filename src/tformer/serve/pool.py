@@ -180,7 +180,9 @@ class SlotPool:
             self._resize(n, *need)
 
     def _resize(self, live: int, rows: int, time: int, src_time: int) -> None:
-        """New tensors holding the `live` rows' filled positions (no more: a copy costs what it moves)."""
+        """New tensors holding the `live` rows' filled positions (no more: a copy costs what it moves); rows
+        not allocated yet hold nothing (a draft model's pool grows when its rows first draft)."""
+        live = min(live, self.rows)
         t, s = self.longest(live), self.longest_source(live)
         for layer in self.layers:
             layer.k = resized(layer.k, rows, time, 2, live, t)

@@ -5,13 +5,12 @@
                                                          finished / cancelled <--+  per pass
 
 Each iteration of the loop: drop rows whose client went away, choose the prompt chunks (at most
-`prefill_tokens` prompt tokens while rows are running, so a long prompt never stalls them for more
-than one chunk: it is fed over several iterations; with no row running, whole prompts, as many as
-fit), then ONE forward pass for a decoder (model/ragged.py): every running row's newest token (and,
-with `prompt_lookup`, its drafts: speculation.py) and the chunks, each token at its own position,
-through the same products; only attention keeps the parts apart. Encoder-decoders (rows read their
-sources) and T5-style position biases run the chunks alone, then the decoding step. A finished row
-leaves the batch at once and frees its pool slot; the pool then shrinks if it holds twice what is left.
+`prefill_tokens` prompt tokens while rows are running, so a long prompt stalls them for one chunk at
+most; with none running, whole prompts, as many as fit), then ONE forward pass for a decoder
+(model/ragged.py): every running row's newest token (and its drafts: speculation.py) and the chunks,
+each token at its own position, through the same products; only attention keeps the parts apart.
+Encoder-decoders (rows read their sources) and T5-style position biases run the chunks alone, then the
+decoding step. A finished row leaves at once; the pool shrinks once it holds twice what is left.
 
 A prompt's keys and values go into a batch-1 cache of its own, copied into its pool slot when
 complete: those a prefill alone computes (its logits are `model.generate`'s, within the rounding of a
@@ -38,7 +37,7 @@ from ..model.ragged import Part, RaggedCache
 from .pool import SlotPool
 from .prefix import PrefixCache
 from .sequence import Event, Sampling, Sequence, Token
-from .speculation import propose, take
+from .speculation import drafter, take
 
 __all__ = ["Scheduler", "QueueFull", "Sequence", "Sampling", "Event", "Token"]
 
@@ -51,10 +50,9 @@ class Scheduler:
     """Owns `model`: call start(), then submit() sequences from any thread; stop() ends the loop."""
 
     def __init__(self, model, max_batch: int, max_queue: int, prefill_tokens: int = 256, metrics=None,
-                 prefix_bytes: int = 0, prompt_lookup: int = 0, draft_tokens: int = 4):
+                 prefix_bytes: int = 0, prompt_lookup: int = 0, draft_tokens: int = 4, draft_model=None):
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.prefill_tokens, self.metrics = prefill_tokens, metrics
-        self.draft_tokens = draft_tokens
         self.device = next(model.parameters()).device
         self.pool = SlotPool(model, max_batch, model.cfg.max_seq_len)
         # decoders only: an encoder-decoder's decoder prompt is one start token, its keys depend on the source
@@ -62,7 +60,8 @@ class Scheduler:
         # decoders: the running rows and the prompt chunks in one forward (ragged.py); an encoder-decoder's
         # rows read their sources, T5's position bias depends on the part: their prompts go alone
         self.together = not model.is_encoder_decoder and model.cfg.positional != "relative"
-        self.prompt_lookup = prompt_lookup if self.together else 0    # drafts ride in the ragged pass
+        self.drafts = drafter(draft_model if self.together else None, prompt_lookup if self.together else 0,
+                              draft_tokens, max_batch, model.cfg.max_seq_len)   # drafts ride in the ragged pass
         self.waiting: deque[Sequence] = deque()    # guarded by self.cond
         self.running: list[Sequence] = []          # row i is in pool slot i; loop thread only
         self.prefilling: Sequence | None = None
@@ -102,6 +101,7 @@ class Scheduler:
         # once, on this thread (the one that runs the model: one OpenMP pool, cli/serve.py): plans made
         # for max_batch rows serve fewer rows too
         plan_decoding(self.model, self.max_batch)
+        self.drafts.prepare()
         while True:
             with self.cond:
                 while not (self.waiting or self.running or self.prefilling or self.stopping):
@@ -116,12 +116,15 @@ class Scheduler:
             except Exception as e:  # a bug or out of memory: fail the rows in flight, keep serving the rest
                 for s in [*self.running, *([self.prefilling] if self.prefilling else [])]:
                     s.fail(f"internal error {type(e).__name__}: {e}")
-                for i in range(len(self.running)):
-                    self.pool.free(i)
+                for pool in (self.pool, self.drafts):
+                    for i in range(len(self.running)):
+                        pool.free(i)
+                    pool.trim(0)
                 self.running, self.prefilling = [], None
-                self.pool.trim(0)
             self._gauges()
-            self._memory_gauges()
+            if self.metrics is not None:
+                self.metrics.kv_held(self.pool.nbytes() + self.drafts.nbytes(), self.prefilling and
+                                     self.prefilling.cache, self.prefix.nbytes if self.prefix else 0)
 
     def _iteration(self) -> None:
         for i in reversed(range(len(self.running))):
@@ -132,15 +135,15 @@ class Scheduler:
         # the budget bounds the running rows' wait; with none running, whole prompts go at once
         budget = self.prefill_tokens if self.running else max(self.prefill_tokens, self.model.cfg.max_seq_len)
         chunks = self._joining(budget)
-        if self.together:
-            if chunks or self.running:                 # (the waiting ones may all have been cancelled)
-                self._step(chunks)
-        else:
+        if self.together and (chunks or self.running):     # (the waiting ones may all have been cancelled)
+            self._step(chunks)
+        elif not self.together:
             for seq, chunk in chunks:
                 self._prefill(seq, chunk)
             if self.running:
                 self._decode()
         self.pool.trim(len(self.running))
+        self.drafts.trim(len(self.running))
 
     def _joining(self, budget: int) -> list[tuple[Sequence, list[int]]]:
         """The prompt chunks of this iteration: the prompt being prefilled goes on, then waiting ones
@@ -187,8 +190,7 @@ class Scheduler:
         """One forward pass for a decoder (model/ragged.py): every running row's next token and the prompt
         chunks together, each token at its own position, so the weights are read once for them all."""
         n, pool, running = len(self.running), self.pool, self.running
-        drafts = propose(self.running, pool.lengths, self.prompt_lookup, self.draft_tokens, pool.max_len,
-                         self.metrics)                          # row -> tokens drafted after its newest one
+        drafts = self.drafts.propose(running, pool.lengths, pool.max_len, self.metrics)  # row -> drafted tokens
         if drafts:
             pool.reserve(n, n, max(pool.lengths[i] + 1 + len(d) for i, d in drafts.items()))
         parts, ids, positions, adapters = [], [], [], []
@@ -284,9 +286,11 @@ class Scheduler:
         last = len(self.running) - 1
         if i != last:
             self.pool.move(last, i)
+            self.drafts.move(last, i)
             self.running[i] = self.running[last]
         else:
             self.pool.free(i)
+            self.drafts.free(i)
         self.running.pop()
 
     def _gauges(self) -> None:
@@ -294,7 +298,3 @@ class Scheduler:
             self.metrics.queue.set(len(self.waiting))
             self.metrics.batch.set(len(self.running))
 
-    def _memory_gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.kv_held(self.pool.nbytes(), self.prefilling.cache if self.prefilling is not None else None,
-                                 self.prefix.nbytes if self.prefix is not None else 0)

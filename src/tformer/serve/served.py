@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints.format import load, load_source_tokenizer, load_tokenizer, read_config, resolve
+from ..checkpoints.format import load, load_draft, load_source_tokenizer, load_tokenizer, read_config, resolve
 from ..data.chat import template_reader
 from ..data.chat_template import ChatTemplate, find_chat_template
 from ..errors import ConfigError
@@ -44,7 +44,8 @@ class OutputText:
 
 
 class Served:
-    def __init__(self, path: str, name: str | None = None, device: str | None = None, adapters: list[str] = ()):
+    def __init__(self, path: str, name: str | None = None, device: str | None = None, adapters: list[str] = (),
+                 draft: str | None = None):
         directory = resolve(path)
         self.model = load(directory, device)
         self.name = name or Path(path).resolve().name
@@ -54,6 +55,8 @@ class Served:
         cfg = self.model.cfg
         self.context = cfg.max_seq_len
         self.tokenizer = load_tokenizer(directory)
+        # --draft-model: a small decoder with the same tokenizer drafting for speculative decoding (speculation.py)
+        self.draft = load_draft(draft, self.tokenizer, cfg.max_seq_len, device) if draft is not None else None
         self.source_tokenizer = load_source_tokenizer(directory) or self.tokenizer
         self.output = OutputText(self.tokenizer)
         self.chat: ChatTemplate | None = find_chat_template(directory)

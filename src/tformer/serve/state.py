@@ -27,7 +27,8 @@ class Options:
     prefix_cache_mb: float = 256        # bytes (MiB) of prefilled prompt blocks kept for reuse; 0: no prefix cache
     prompt_lookup: int = 0              # speculative decoding: drafts from the row's own text after its last
                                         # n-gram (n = this; 0: off), decoders only; the same text either way
-    draft_tokens: int = 4               # tokens drafted per row and step with prompt_lookup
+    draft_tokens: int = 4               # tokens drafted per row and step with prompt_lookup or a draft model
+                                        # (Served's draft, `tformer serve --draft-model RUN`)
 
 
 class State:
@@ -48,7 +49,7 @@ class State:
                                        self.options.prefill_tokens, self.metrics,
                                        prefix_bytes=int(self.options.prefix_cache_mb * 2**20),
                                        prompt_lookup=self.options.prompt_lookup,
-                                       draft_tokens=self.options.draft_tokens)
+                                       draft_tokens=self.options.draft_tokens, draft_model=self.served.draft)
             self.scheduler.start()
         else:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="tformer-encoder")
