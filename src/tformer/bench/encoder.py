@@ -73,16 +73,21 @@ def embed(model, tokenizer, texts: list[str], batch_size: int, device: str, dtyp
           slack: float = float("inf")) -> torch.Tensor:
     """(N, D) unit-length mean-pooled sentence embeddings, in the order of `texts`. Batches of
     `batch_size` sentences sorted by length; `slack` < inf splits a batch where its lengths differ a lot."""
+    return embed_ids(model, [e.ids for e in tokenizer.encode_batch(texts)], batch_size, device, dtype, slack)
+
+
+def embed_ids(model, ids: list[list[int]], batch_size: int, device: str, dtype: torch.dtype,
+              slack: float = float("inf")) -> torch.Tensor:
+    """embed() of texts already tokenized (a peer given token ids is timed without its tokenizer too)."""
     plan_encoding(model)                        # oneDNN's packed weights (kept while the weights are the same)
-    encodings = tokenizer.encode_batch(texts)
-    order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
-    out = torch.empty(len(texts), model.cfg.d_model)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    out = torch.empty(len(ids), model.cfg.d_model)
     with torch.inference_mode(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
-            for run in sub_batches([len(encodings[i].ids) for i in batch], slack):
+            for run in sub_batches([len(ids[i]) for i in batch], slack):
                 idx = [batch[j] for j in run]
-                out[idx] = _embed_padded(model, [encodings[i].ids for i in idx], device)
+                out[idx] = _embed_padded(model, [ids[i] for i in idx], device)
     return out
 
 

@@ -84,7 +84,7 @@ def minilm_case(model, session, tokenizer, texts: list[str], dtype: str, label: 
     the fp32 embeddings the int8 ones are compared with)."""
     import numpy as np
 
-    from .encoder import embed
+    from .encoder import embed_ids
 
     batch = 64
     encodings = tokenizer.encode_batch(texts)
@@ -101,8 +101,8 @@ def minilm_case(model, session, tokenizer, texts: list[str], dtype: str, label: 
             out[idx] = F.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
         return out
 
-    def run_ours():
-        return embed(model, tokenizer, texts, batch, "cpu", torch.float32)
+    def run_ours():                                           # the same token ids as the peer's: neither tokenizes
+        return embed_ids(model, [e.ids for e in encodings], batch, "cpu", torch.float32)
 
     ours_emb, peer_emb = run_ours(), run_peer()
     reference = ours_emb if reference is None else reference
