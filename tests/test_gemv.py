@@ -271,10 +271,11 @@ def _attend_reference(q, k, v, mask, copies):
     (3, 8, 2, 17, 128, 1, True),      # grouped-query attention, a wider head, padded keys
     (2, 4, 4, 1, 16, 2, False),       # one key
 ])
-def test_attend_equals_the_formula(B, H, H_kv, T_k, hd, copies, masked):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])   # bf16: a server's --kv-cache-dtype
+def test_attend_equals_the_formula(B, H, H_kv, T_k, hd, copies, masked, kv_dtype):
     torch.manual_seed(T_k)
     q = torch.randn(B, 1, 3 * H * hd)[..., :H * hd].view(B, 1, H, hd).transpose(1, 2)   # strided as in a layer
-    cache = torch.randn(2, B // copies, H_kv, T_k + 5, hd)                              # filled part of a cache
+    cache = torch.randn(2, B // copies, H_kv, T_k + 5, hd).to(kv_dtype)                # filled part of a cache
     k, v = cache[0, :, :, :T_k], cache[1, :, :, :T_k]
     mask = None
     if masked:
@@ -295,6 +296,7 @@ def test_attend_gives_zero_where_no_key_may_be_attended_and_declines_what_it_doe
     assert gemv.attend(torch.randn(2, 4, 2, 16), k, k, None, 0.25) is None             # two queries a row
     assert gemv.attend(torch.randn(2, 4, 1, 24), torch.randn(2, 4, 5, 24), torch.randn(2, 4, 5, 24), None, 1.0) is None
     assert gemv.attend(q.bfloat16(), k.bfloat16(), k.bfloat16(), None, 0.25) is None
+    assert gemv.attend(q, k.bfloat16(), k, None, 0.25) is None                          # keys and values differ
     assert gemv.attend(q, k, k, torch.ones(2, 4, 1, 5, dtype=torch.bool), 0.25) is None  # a mask per head
 
 

@@ -208,3 +208,43 @@ def test_a_step_over_the_pool_equals_each_row_alone_whatever_free_slots_hold(dec
         for i, p in enumerate(prompts):
             alone = model.step(ids[i:i + 1], prefilled(model, p, room=1))                                  # (1, V)
             torch.testing.assert_close(got[i], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+def test_a_bf16_pool_holds_half_and_steps_as_its_keys_widened_to_fp32(decoder, path, monkeypatch):
+    """--kv-cache-dtype bf16: the same step as an fp32 pool holding the very same (rounded) keys and values,
+    through the decoding kernel (which widens them as it reads) and through PyTorch's attention (which gets
+    them converted); half the bytes."""
+    if path == "sdpa":
+        monkeypatch.setattr(tformer.model.attention, "decoding_attention", lambda *a, **k: None)
+    model = tformer.load(decoder)
+    prompts = [[3 + (i * 5 + j) % 30 for j in range(n)] for i, n in enumerate((20, 9, 33))]
+    half, full = (SlotPool(model, max_batch=4, max_len=model.cfg.max_seq_len, kv_dtype=d)
+                  for d in (torch.bfloat16, None))
+    for slot, p in enumerate(prompts):
+        half.admit(slot, prefilled(model, p))
+        full.admit(slot, prefilled(model, p))
+    assert half.layers[0].k.dtype == torch.bfloat16 and half.nbytes() * 2 == full.nbytes()
+    for a, b in zip(half.layers, full.layers):                # the fp32 pool gets the bf16 pool's values,
+        b.k.copy_(a.k.float()), b.v.copy_(a.v.float())        # and the step's new ones rounded as they are there
+        b.update = lambda k, v, store=b.update: store(k.bfloat16().float(), v.bfloat16().float())
+    ids = torch.tensor([[5], [9], [11]])
+    with torch.no_grad():
+        got, widened = (model.step(ids, p.view(3), p.mask(3), p.positions(3)) for p in (half, full))
+    torch.testing.assert_close(got, widened, rtol=1e-5, atol=1e-5)
+    assert torch.equal(half.layers[1].k[:3, :, 20:21].float(), full.layers[1].k[:3, :, 20:21])   # the new keys too
+
+
+def test_a_server_with_a_bf16_kv_cache_answers_as_the_fp32_one_within_its_rounding(decoder):
+    asks = [dict(prompt=SHARED[:20 + 9 * i] + tail, max_tokens=24, temperature=0, logprobs=1)
+            for i, tail in enumerate(TAILS)]
+    answers = []
+    for dtype in ("auto", "bf16"):
+        with serving(decoder, max_batch=4, prefill_tokens=16, kv_cache_dtype=dtype) as (base, _):
+            c = client(base)
+            with ThreadPoolExecutor(len(asks)) as pool:
+                answers.append(list(pool.map(lambda ask: c.completions.create(model="dec", **ask).choices[0], asks)))
+    same = sum(a == b for fp32, bf16 in zip(*answers) for a, b in zip(fp32.text, bf16.text))
+    assert same >= 0.9 * sum(len(fp32.text) for fp32 in answers[0])        # greedy: nearly every token the same
+    first = [(fp32.logprobs.token_logprobs[0], bf16.logprobs.token_logprobs[0]) for fp32, bf16 in zip(*answers)]
+    assert all(abs(a - b) < 0.05 for a, b in first)                       # the prompt's own keys, rounded

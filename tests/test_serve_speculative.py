@@ -46,14 +46,19 @@ def reference(model, prompt: str, max_tokens: int) -> str:
     return tok.decode(model.generate(src, max_new_tokens=max_tokens, eos_token_id=[])[0, src.size(1):])
 
 
+def greedy_round(base: str) -> tuple[list, float, float, float]:
+    """Every prompt at once (more requests than rows: slots move and are freed; chunked prompts), greedy ->
+    (the answers, tokens drafted, drafts accepted, tokens generated)."""
+    c = client(base)
+    got = concurrently(lambda i: c.completions.create(model="dec", prompt=PROMPTS[i], max_tokens=LENGTHS[i],
+                                                      temperature=0), range(len(PROMPTS)))
+    names = ("speculative_draft_tokens", "speculative_accepted_tokens", "generated_tokens")
+    return got, *(metric(base, f"tformer_{name}_total") for name in names)
+
+
 def test_greedy_rows_with_drafts_equal_generate_alone_and_drafts_are_taken(decoder):
     with serving(decoder, max_batch=3, prefill_tokens=8, prompt_lookup=2, draft_tokens=4) as (base, _):
-        c = client(base)                                             # more requests than rows, chunked prompts
-        got = concurrently(lambda i: c.completions.create(model="dec", prompt=PROMPTS[i], max_tokens=LENGTHS[i],
-                                                          temperature=0), range(len(PROMPTS)))
-        drafted = metric(base, "tformer_speculative_draft_tokens_total")
-        accepted = metric(base, "tformer_speculative_accepted_tokens_total")
-        generated = metric(base, "tformer_generated_tokens_total")
+        got, drafted, accepted, generated = greedy_round(base)
     model = tformer.load(decoder)
     assert [r.choices[0].text for r in got] == [reference(model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert [r.usage.completion_tokens for r in got] == LENGTHS
@@ -72,12 +77,7 @@ def drafts(decoder, tmp_path_factory):
 @pytest.mark.parametrize("which", ["itself", "other"])
 def test_greedy_rows_with_a_draft_model_equal_generate_alone(decoder, drafts, which):
     with serving(decoder, draft=drafts[which], max_batch=3, prefill_tokens=8, draft_tokens=3) as (base, _):
-        c = client(base)                         # more requests than rows: slots move and are freed under the draft
-        got = concurrently(lambda i: c.completions.create(model="dec", prompt=PROMPTS[i], max_tokens=LENGTHS[i],
-                                                          temperature=0), range(len(PROMPTS)))
-        drafted = metric(base, "tformer_speculative_draft_tokens_total")
-        accepted = metric(base, "tformer_speculative_accepted_tokens_total")
-        generated = metric(base, "tformer_generated_tokens_total")
+        got, drafted, accepted, generated = greedy_round(base)
     model = tformer.load(decoder)
     assert [r.choices[0].text for r in got] == [reference(model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert generated == sum(LENGTHS)

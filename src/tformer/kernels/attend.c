@@ -11,7 +11,8 @@
  * hd a multiple of 16 up to 256, T_k up to 16384. A query that may attend to no key gets 0.
  * With `lineage` (beam search; copies = 1), position j of row b is held by row lineage[b, j] (a beam
  * reads its ancestors' keys where they were written, instead of the cache being copied into beam order
- * at every step).
+ * at every step). With `kv_bf16` the keys and values are bf16 (a server's KV cache of half the bytes:
+ * each is widened to fp32 as it is read; the sums stay fp32).
  */
 #include "simd.h"
 #include "kernels.h"
@@ -19,19 +20,24 @@
 #define MAX_HD 256
 #define MAX_TK 16384
 
+/* LANES keys or values from element `at` of x, fp32 or bf16 */
+static inline vec kv_load(const void *x, int64_t at, int64_t bf16) {
+    return bf16 ? vload_bf16((const uint16_t *)x + at) : vload((const float *)x + at);
+}
+
 void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
-                    const float *k, const float *v, int64_t ksb, int64_t ksh, int64_t kst,
+                    const void *k, const void *v, int64_t ksb, int64_t ksh, int64_t kst,
                     int64_t vsb, int64_t vsh, int64_t vst,
                     const uint8_t *mask, int64_t msb, int64_t mst, int64_t mask_div,
                     const int32_t *lineage, int64_t lsb, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
-                    int64_t copies, float scale) {
+                    int64_t copies, int64_t kv_bf16, float scale) {
     const int64_t group = H / H_kv, nv = hd / LANES;
 #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < B * H; task++) {
         const int64_t b = task / H, h = task % H;
         const float *qb = q + b * qsb + h * qsh;
-        const float *kb = k + (b / copies) * ksb + (h / group) * ksh;
-        const float *vb = v + (b / copies) * vsb + (h / group) * vsh;
+        const int64_t kb = (b / copies) * ksb + (h / group) * ksh;         /* element offsets into k and v */
+        const int64_t vb = (b / copies) * vsb + (h / group) * vsh;
         const uint8_t *mb = mask ? mask + (b / mask_div) * msb : 0;
         const int32_t *lb = lineage ? lineage + b * lsb : 0;     /* key j is then row lb[j]'s, not row b's */
         float s[MAX_TK], top = -INFINITY, sum = 0.0f;
@@ -45,9 +51,9 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                 s[j] = -INFINITY;
                 continue;
             }
-            const float *kj = kb + j * kst + (lb ? (lb[j] - b) * ksb : 0);
-            vec d = vmul(qv[0], vload(kj));
-            for (int64_t i = 1; i < nv; i++) d = vfmadd(qv[i], vload(kj + LANES * i), d);
+            const int64_t kj = kb + j * kst + (lb ? (lb[j] - b) * ksb : 0);
+            vec d = vmul(qv[0], kv_load(k, kj, kv_bf16));
+            for (int64_t i = 1; i < nv; i++) d = vfmadd(qv[i], kv_load(k, kj + LANES * i, kv_bf16), d);
             s[j] = vsum(d);
             top = s[j] > top ? s[j] : top;
         }
@@ -67,9 +73,9 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
             float p = s[j];
             sum += p;
             if (p == 0.0f) continue;
-            const float *vj = vb + j * vst + (lb ? (lb[j] - b) * vsb : 0);
+            const int64_t vj = vb + j * vst + (lb ? (lb[j] - b) * vsb : 0);
             vec pb = vset1(p);
-            for (int64_t i = 0; i < nv; i++) acc[i] = vfmadd(pb, vload(vj + LANES * i), acc[i]);
+            for (int64_t i = 0; i < nv; i++) acc[i] = vfmadd(pb, kv_load(v, vj + LANES * i, kv_bf16), acc[i]);
         }
         vec inv = vset1(1.0f / sum);
         for (int64_t i = 0; i < nv; i++) vstore(o + LANES * i, vmul(acc[i], inv));

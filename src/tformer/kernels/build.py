@@ -214,7 +214,7 @@ FUNCTIONS = {
     "tformer_gemv_int8": ([PTR] * 4 + [I64] * 3 + [PTR], None),         # ... and the scratch for x in bytes
     "tformer_attend": ([PTR, I64, I64] + [PTR] * 2 + [I64] * 6          # q + strides; k, v + strides
                        + [PTR] + [I64] * 3 + [PTR, I64, PTR]              # mask + strides; lineage; out
-                       + [I64] * 6 + [FLOAT], None),                      # B, H, H_kv, T_k, hd, copies; scale
+                       + [I64] * 7 + [FLOAT], None),                      # B, H, H_kv, T_k, hd, copies, bf16; scale
     "tformer_gpt_step": ([PTR, I64, PTR] + [I64] * 8 + [FLOAT, I64, FLOAT, PTR], None),
     "tformer_argmax_bf16": ([PTR] * 5 + [FLOAT] + [I64] * 3 + [PTR] * 2, ctypes.c_int),   # ...; r; M, N, K; rough, best
     "tformer_bf16_paired": ([], ctypes.c_int),

@@ -153,8 +153,8 @@ def gemv8(packed: Tensor, x: Tensor, bias: Tensor | None, n: int) -> Tensor:
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
            lineage: Tensor | None = None) -> Tensor | None:
-    """Decoding attention in one call: q (B, H, 1, hd), k and v (B / c, H_kv, T_k, hd) (c beams of
-    one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
+    """Decoding attention in one call: q (B, H, 1, hd) fp32, k and v (B / c, H_kv, T_k, hd) fp32 or both bf16
+    (c beams of one source share its keys), mask bool broadcastable to (B / c', 1, 1, T_k) or None -> the
     attention output (B, 1, H·hd), heads side by side as the output projection wants them; None
     where the kernel does not take these inputs. `lineage` (B, T_k) int32 (rows contiguous; c = 1):
     position j of row b is held by row lineage[b, j] of k and v (kv_cache.KVCache)."""
@@ -162,7 +162,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     Bk, H_kv, T_k = k.shape[:3]
     kernel = function("tformer_attend")
     if (t != 1 or hd % 16 or hd > MAX_HEAD or T_k > MAX_KEYS or B % Bk or H % H_kv or kernel is None
-            or any(x.dtype != torch.float32 or x.stride(-1) != 1 for x in (q, k, v))):
+            or q.dtype != torch.float32 or k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+            or any(x.stride(-1) != 1 for x in (q, k, v))):
         return None
     lineage_args = (None, 0)
     if lineage is not None:
@@ -178,7 +179,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     out = torch.empty(B, 1, H * hd, dtype=torch.float32)
     kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-           *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, scale)
+           *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, int(k.dtype == torch.bfloat16),
+           scale)
     return out
 
 

@@ -83,7 +83,7 @@ void tformer_gpt_step(const int64_t *table, int64_t L, float *x, int64_t M, int6
                 memcpy(vc + m * sb + g * sh + pos * hd, qkv + m * width + qd + kvd + g * hd, hd * sizeof(float));
             }
         tformer_attend(qkv, width, hd, kc, vc, sb, sh, hd, sb, sh, hd, 0, 0, 0, 1, 0, 0, att, M, H, H_kv, pos + 1, hd,
-                       1, scale);
+                       1, 0, scale);
         product(W(5), att, P(7), x, M, D, qd, u, 1);
         layer_norm(x, P(8), P(9), h, M, D, eps);
         product(W(10), h, P(12), up, M, F, D, u, 0);

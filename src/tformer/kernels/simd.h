@@ -36,6 +36,9 @@ static inline void load16_bf16(vec *w, const uint16_t *p) {      /* a bf16 is th
     w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vload_bf16(const uint16_t *p) {                  /* LANES bf16 values widened, in order */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #else
 #define LANES 8
 #define MAX_M 4
@@ -68,6 +71,9 @@ static inline void load16_bf16(vec *w, const uint16_t *p) {
     __m256i r = _mm256_loadu_si256((const __m256i *)p);
     w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
     w[1] = _mm256_and_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline vec vload_bf16(const uint16_t *p) {                  /* LANES bf16 values widened, in order */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -121,10 +121,17 @@ def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
     out = decoding_attention(q, k, v, mask, scale)
     if out is not None:
         return out
+    k, v = as_queries(q, k, v)
     t = q.size(-2)
     attend = unfused_attention if q.device.type == "cpu" and decoding_a_batch(q, t) else fused_attention
     out = attend(q, k, v, mask, is_causal=is_causal, scale=scale)                  # (B, H, T_q, hd)
     return out.transpose(1, 2).reshape(q.size(0), t, -1)
+
+
+def as_queries(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """K and V in the queries' dtype: a server's bf16 KV cache (serve/pool.py) read by a path other than the
+    decoding kernel, which widens them itself."""
+    return (k, v) if k.dtype == q.dtype else (k.to(q.dtype), v.to(q.dtype))
 
 
 def fold_copies(q: Tensor, copies: int) -> Tensor:
@@ -212,6 +219,7 @@ class MultiHeadAttention(nn.Module):
             out = decoding_attention(q, k, v, mask, self.scale, lineage)
             if out is not None:
                 return self.out_proj(out), None
+        k, v = as_queries(q, k, v)
         if lineage is not None:
             k, v = follow_lineage(k, v, lineage)
         if self.cross:

@@ -24,6 +24,10 @@ filled positions once into new tensors and zeroes their new tail; free slots sta
 quarter makes that one copy per ~longest/4 steps. The bound is --max-batch x the context, the
 fixed reservation of a pool that never changes size.
 
+Keys and values are kept in the model's dtype, or in bf16 (`kv_dtype`, `tformer serve --kv-cache-dtype
+bf16`: half the bytes to hold and to read a step; the decoding kernel widens them as it reads, other
+paths convert a part's keys to the queries' dtype: attention.py).
+
 An encoder-decoder also keeps, per slot, the encoder output (`memory`, (rows, S, D)) and its
 cross-attention K and V ((rows, H_kv, S, hd) per layer), computed once at admission and sized
 the same way by the longest source; `src_mask(n)` hides each row's source padding.
@@ -51,8 +55,8 @@ class SlotLayer:
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k, v: (n, H_kv, 1, hd), the new token of each row -> (n, H_kv, longest + 1, hd)."""
-        self.k[self.rows, :, self.pos] = k[:, :, 0]                                # (n, H_kv, hd) each
-        self.v[self.rows, :, self.pos] = v[:, :, 0]
+        self.k[self.rows, :, self.pos] = k[:, :, 0].to(self.k.dtype)              # (n, H_kv, hd) each
+        self.v[self.rows, :, self.pos] = v[:, :, 0].to(self.v.dtype)
         n = self.rows.numel()
         return self.k[:n, :, :self.end], self.v[:n, :, :self.end]
 
@@ -135,8 +139,8 @@ def time_for(need: int) -> int:
 
 
 class SlotPool:
-    def __init__(self, model, max_batch: int, max_len: int):
-        empty = model.new_cache(0, 0)                          # dtype and device as the model decodes
+    def __init__(self, model, max_batch: int, max_len: int, kv_dtype: torch.dtype | None = None):
+        empty = model.new_cache(0, 0, dtype=kv_dtype)          # dtype (default) and device as the model decodes
         self.layers = [SlotLayer(c.k, c.v) for c in empty.layers]
         self.lengths = [0] * max_batch                          # positions filled, per slot
         self.max_batch, self.max_len = max_batch, max_len
@@ -146,7 +150,8 @@ class SlotPool:
         if model.is_encoder_decoder:
             k = empty.layers[0].k
             self.cross = [SlotCross(torch.zeros_like(k), torch.zeros_like(k)) for _ in empty.layers]
-            self.memory = torch.zeros(0, 0, model.cfg.d_model, dtype=k.dtype, device=self.device)
+            self.memory = torch.zeros(0, 0, model.cfg.d_model, dtype=model.new_cache(0, 0).layers[0].k.dtype,
+                                      device=self.device)                 # the encoder's output: the model's dtype
         self.rows = self.time = self.src_time = 0               # what is allocated
         self.oversized = 0                                      # trims in a row that found it twice too large
 

@@ -50,11 +50,11 @@ class Scheduler:
     """Owns `model`: call start(), then submit() sequences from any thread; stop() ends the loop."""
 
     def __init__(self, model, max_batch: int, max_queue: int, prefill_tokens: int = 256, metrics=None,
-                 prefix_bytes: int = 0, prompt_lookup: int = 0, draft_tokens: int = 4, draft_model=None):
-        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
-        self.prefill_tokens, self.metrics = prefill_tokens, metrics
-        self.device = next(model.parameters()).device
-        self.pool = SlotPool(model, max_batch, model.cfg.max_seq_len)
+                 prefix_bytes: int = 0, prompt_lookup: int = 0, draft_tokens: int = 4, draft_model=None,
+                 kv_dtype: torch.dtype | None = None):
+        self.model, self.max_batch, self.max_queue, self.prefill_tokens = model, max_batch, max_queue, prefill_tokens
+        self.metrics, self.device = metrics, next(model.parameters()).device
+        self.pool = SlotPool(model, max_batch, model.cfg.max_seq_len, kv_dtype)       # the running rows' K, V
         # decoders only: an encoder-decoder's decoder prompt is one start token, its keys depend on the source
         self.prefix = PrefixCache(prefix_bytes) if prefix_bytes and not model.is_encoder_decoder else None
         # decoders: the running rows and the prompt chunks in one forward (ragged.py); an encoder-decoder's

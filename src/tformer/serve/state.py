@@ -7,6 +7,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from .errors import RETRY_AFTER, ApiError
 from .grammar import Grammars
 from .metrics import Metrics
@@ -29,6 +31,11 @@ class Options:
                                         # n-gram (n = this; 0: off), decoders only; the same text either way
     draft_tokens: int = 4               # tokens drafted per row and step with prompt_lookup or a draft model
                                         # (Served's draft, `tformer serve --draft-model RUN`)
+    kv_cache_dtype: str = "auto"        # the running rows' keys and values: "auto" (the model's dtype) or "bf16"
+                                        # (half the memory and the bytes read a step; pool.py)
+
+
+KV_DTYPES = {"auto": None, "bf16": torch.bfloat16}      # Options.kv_cache_dtype -> SlotPool's kv_dtype
 
 
 class State:
@@ -49,7 +56,8 @@ class State:
                                        self.options.prefill_tokens, self.metrics,
                                        prefix_bytes=int(self.options.prefix_cache_mb * 2**20),
                                        prompt_lookup=self.options.prompt_lookup,
-                                       draft_tokens=self.options.draft_tokens, draft_model=self.served.draft)
+                                       draft_tokens=self.options.draft_tokens, draft_model=self.served.draft,
+                                       kv_dtype=KV_DTYPES[self.options.kv_cache_dtype])
             self.scheduler.start()
         else:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="tformer-encoder")
