@@ -297,4 +297,3 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue.set(len(self.waiting))
             self.metrics.batch.set(len(self.running))
-
