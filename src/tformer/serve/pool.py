@@ -140,18 +140,18 @@ def time_for(need: int) -> int:
 
 class SlotPool:
     def __init__(self, model, max_batch: int, max_len: int, kv_dtype: torch.dtype | None = None):
-        empty = model.new_cache(0, 0, dtype=kv_dtype)          # dtype (default) and device as the model decodes
-        self.layers = [SlotLayer(c.k, c.v) for c in empty.layers]
+        empty = model.new_cache(0, 0)                          # dtype and device as the model decodes
+        dtype = empty.layers[0].k.dtype                         # the model's: the encoder output's below
+        self.layers = [SlotLayer(c.k.to(kv_dtype or dtype), c.v.to(kv_dtype or dtype)) for c in empty.layers]
         self.lengths = [0] * max_batch                          # positions filled, per slot
         self.max_batch, self.max_len = max_batch, max_len
         self.device = empty.layers[0].k.device
         self.cross = self.memory = None
         self.src_lengths = [0] * max_batch
         if model.is_encoder_decoder:
-            k = empty.layers[0].k
+            k = self.layers[0].k
             self.cross = [SlotCross(torch.zeros_like(k), torch.zeros_like(k)) for _ in empty.layers]
-            self.memory = torch.zeros(0, 0, model.cfg.d_model, dtype=model.new_cache(0, 0).layers[0].k.dtype,
-                                      device=self.device)                 # the encoder's output: the model's dtype
+            self.memory = torch.zeros(0, 0, model.cfg.d_model, dtype=dtype, device=self.device)
         self.rows = self.time = self.src_time = 0               # what is allocated
         self.oversized = 0                                      # trims in a row that found it twice too large
 
