@@ -1,14 +1,14 @@
 """What LoRA costs and saves in training (issue 46): peak memory, seconds a step and adapter size.
 
-GPT-2-small's shape (12 layers, width 768, 12 heads, vocabulary 50,257, context 1,024), random weights:
-one HF `GPT2LMHeadModel` (dropout 0) saved with save_pretrained and read by `tformer.from_hf` and by HF,
-so every arm starts from the same weights. Batches of 4 x 128 tokens (short, so a step takes seconds on
-2 cores), the same for every arm; fp32; AdamW (lr 1e-4) over the parameters that train; loss = the mean cross
-entropy of each position's label, as each library trains: tformer's arms `model(x, labels=y)`, the loss
-`tformer train` computes (model/lm_loss.py: the output layer and cross-entropy a block of rows at a time, the
-logits never whole); peft's HF model F.cross_entropy(model(x).logits, y), what HF's own `labels=` path
-computes (ForCausalLMLoss: F.cross_entropy on the fp32 logits; here without its shift, as the labels are
-already each position's next token). Arms, each in its own process:
+GPT-2-small's shape (12 layers, width 768, 12 heads, vocabulary 50,257, context 1,024), random weights: one HF
+`GPT2LMHeadModel` (dropout 0) saved with save_pretrained and read by `tformer.from_hf` and by HF, so every arm
+starts from the same weights. Batches of 4 x 128 tokens (short, so a step takes seconds on 2 cores), the same for
+every arm; fp32 (`--precision bf16`: each forward and loss under bf16 autocast); AdamW (lr 1e-4) over the
+parameters that train; loss = the mean cross entropy of each position's label, as each library trains: tformer's
+arms `model(x, labels=y)`, the loss `tformer train` computes (model/lm_loss.py: the output layer and cross-entropy
+a block of rows at a time, the logits never whole); peft's HF model F.cross_entropy(model(x).logits, y), what HF's
+own `labels=` path computes (ForCausalLMLoss: F.cross_entropy on the fp32 logits; here without its shift, as the
+labels are already each position's next token). Arms, each in its own process:
 
     full    tformer, full fine-tuning
     lora    tformer, apply_lora(r=8, alpha=16, targets=("qkv",)): one adapter on the fused [q; k; v]
@@ -90,8 +90,8 @@ def build(arm: str, hf_dir: str):
 
             model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
                                                      target_modules=["c_attn"], fan_in_fan_out=True))
-        return model.train(), lambda m, x, y: F.cross_entropy(m(input_ids=x, use_cache=False).logits.flatten(0, 1),
-                                                              y.flatten())
+        return model.train(), lambda m, x, y: F.cross_entropy(
+            m(input_ids=x, use_cache=False).logits.float().flatten(0, 1), y.flatten())
     import tformer
     from tformer.model.lora import apply_lora
 
@@ -105,7 +105,7 @@ def build(arm: str, hf_dir: str):
     return model.train(), lambda m, x, y: m(x, labels=y)
 
 
-def worker(arm: str, work: str, warmup: int, steps: int) -> dict:
+def worker(arm: str, work: str, warmup: int, steps: int, precision: str = "fp32") -> dict:
     import torch
 
     model, loss_of = build(arm, str(Path(work) / "hf"))
@@ -122,7 +122,8 @@ def worker(arm: str, work: str, warmup: int, steps: int) -> dict:
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
         t = time.perf_counter()
-        loss = loss_of(model, x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -173,7 +174,7 @@ def prepare(work: Path) -> int:
 
 def run_arm(arm: str, work: Path, opts) -> dict:
     cmd = [sys.executable, __file__, "--worker", arm, "--work", str(work),
-           "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
+           "--warmup", str(opts.warmup), "--steps", str(opts.steps), "--precision", opts.precision]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{arm} failed:\n{done.stderr[-3000:]}")
@@ -206,6 +207,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: every arm's forward and loss under torch.autocast(bfloat16), as `tformer train "
+                        "--precision bf16` and HF's Trainer(bf16=True) run them (default fp32)")
     p.add_argument("--json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -214,7 +218,7 @@ def main() -> None:
         print(json.dumps({"model_bytes": prepare(Path(opts.work))}), flush=True)
         return
     if opts.worker:
-        print(json.dumps(worker(opts.worker, opts.work, opts.warmup, opts.steps)), flush=True)
+        print(json.dumps(worker(opts.worker, opts.work, opts.warmup, opts.steps, opts.precision)), flush=True)
         return
     # The driver imports no torch: a child's ru_maxrss starts at its parent's peak (kept across fork + exec).
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,7 +256,8 @@ def main() -> None:
         "int8_mem_over_base": med["int8"]["over_base_mb"] / full["over_base_mb"],
         "peft_over_lora_step": med["peft"]["step_s"] / med["lora"]["step_s"],
     }
-    result = {"machine": machine(), "shape": {"layers": LAYERS, "width": WIDTH, "heads": HEADS,
+    result = {"machine": machine(), "precision": opts.precision,
+              "shape": {"layers": LAYERS, "width": WIDTH, "heads": HEADS,
               "vocab": VOCAB, "context": CONTEXT, "batch": BATCH, "seq": SEQ, "r": R, "alpha": ALPHA},
               "repeats": opts.repeats, "warmup": opts.warmup, "steps": opts.steps, "model_bytes": model_bytes,
               "baseline_rss_mb": base, "rows": rows, "ratios": ratios,

@@ -90,6 +90,23 @@ def test_a_frozen_int8_layer_trains_through_its_dequantised_weight_and_keeps_non
     torch.testing.assert_close(grads(got, [x])[0], grads(want, [x])[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_frozen_int8_layer_under_autocast_multiplies_in_the_autocast_dtype():
+    """As F.linear on the dequantised weight under bf16 autocast: a bf16 output (bf16 products, not fp32 ones),
+    and x's gradient in x's own dtype."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(64, 48))
+    deq = layer.weight.float() * layer.scales[:, None]
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = layer(x), F.linear(x, deq, layer.bias)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+    gx, wx = (torch.autograd.grad(y, [x], g)[0] for y in (got, want))
+    assert gx.dtype == wx.dtype == torch.float32
+    torch.testing.assert_close(gx, wx, rtol=2e-2, atol=2e-2)
+
+
 def test_lora_on_an_int8_model_gets_the_gradients_of_its_dequantised_twin(monkeypatch):
     """The whole model: an int8 decoder with adapters against its fp32 twin whose linear weights are s_n q_nk
     (weight-only, as training computes; embeddings as they were), with the same adapters."""

@@ -176,27 +176,34 @@ class Int8Linear(nn.Module):
             y = y.add_(self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
 
-    def dequantised(self, start: int, stop: int, dtype: torch.dtype) -> Tensor:
-        """Rows [start, stop) of W as s_n·q_nk, (stop - start, K) in `dtype`."""
-        return self.weight[start:stop].to(dtype) * self.scales[start:stop].to(dtype)[:, None]
+    def dequantised(self, start: int, stop: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+        """Rows [start, stop) of W as s_n·q_nk, (stop - start, K) in `dtype`; written into the first rows of
+        `out` where given (a buffer reused block after block: one allocation for a whole product)."""
+        q, scales = self.weight[start:stop], self.scales[start:stop].to(dtype)[:, None]
+        return q.to(dtype) * scales if out is None else out[:q.size(0)].copy_(q).mul_(scales)
 
     def chunks(self) -> range:
         return range(0, self.out_features, max(1, CHUNK // self.in_features))
 
     def base_product(self, x: Tensor) -> Tensor:
         """x (M, K) -> (M, N) = Σ_k x_k (s_n q_nk) + b, weight-only (lora_adapter.lora_product's forward in
-        training), a block of output features at a time into one output: no fp32 copy of W."""
+        training), a block of output features at a time into one output: no fp32 copy of W. Under autocast
+        in the autocast dtype, as F.linear would be (x converted; its gradient then comes back in it too)."""
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         y = x.new_empty(x.size(0), self.out_features)
         step = self.chunks().step
+        block = x.new_empty(min(step, self.out_features), self.in_features)
         for n in self.chunks():
-            torch.mm(x, self.dequantised(n, n + step, x.dtype).t(), out=y[:, n:n + step])
+            torch.mm(x, self.dequantised(n, n + step, x.dtype, block).t(), out=y[:, n:n + step])
         return y if self.bias is None else y.add_(self.bias.to(x.dtype))
 
     def base_grad(self, g: Tensor) -> Tensor:
         """dL/dx = g W (M, N) -> (M, K), from the int8 weight a block at a time."""
         gx, step = g.new_zeros(g.size(0), self.in_features), self.chunks().step
+        block = g.new_empty(min(step, self.out_features), self.in_features)
         for n in self.chunks():
-            gx.addmm_(g[:, n:n + step], self.dequantised(n, n + step, g.dtype))
+            gx.addmm_(g[:, n:n + step], self.dequantised(n, n + step, g.dtype, block))
         return gx
 
     def _integer_path(self, x: Tensor) -> bool:
