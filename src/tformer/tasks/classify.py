@@ -83,7 +83,8 @@ class ClassifyOptions(TrainOptions):
     pooling: str | None = option(
         None, "sentence vector for the head: the first token's (BERT; the default) or the mean of all tokens' (the "
         "default with --init of a sentence-transformers model, which was trained with mean pooling, so its first "
-        "token carries no sentence meaning)", choices=("first", "mean"))
+        "token carries no sentence meaning; and the recipe from scratch on rotten-tomatoes)",
+        choices=("first", "mean"))
     token_dropout: float | None = option(
         None, "training augmentation: delete each token of a training text with this probability (default: 0.1 "
         "from scratch, 0 with --init); small data sets overfit less", type=below_one)
@@ -109,15 +110,16 @@ class ClassifyTask:
         On rotten-tomatoes, the recipes measured best there (BENCHMARKS.md, "Sentiment"): validate
         often, on a moving average of the weights; cut texts at 64 tokens (few are longer). From
         scratch: BERT's shipped uncased vocabulary (pieces learned from a large corpus), heavy dropout
-        and word dropout. Fine-tuning a pretrained encoder (--init): a small learning rate after a short
-        warm-up, and the pretrained embeddings kept fixed, so words met only at test time stay where
-        pre-training put them."""
+        and word dropout, and the mean of the tokens' vectors for the head (on the validation splits of
+        seeds 0-2 at 2,000 steps: 0.7755 against the first token's 0.7659, ahead at every seed).
+        Fine-tuning a pretrained encoder (--init): a small learning rate after a short warm-up, and the
+        pretrained embeddings kept fixed, so words met only at test time stay where pre-training put them."""
         scratch = {"tokenizer": "wordpiece", "vocab_size": DEFAULT_VOCAB} if init is None else {}
         if data != "rotten-tomatoes":
             return {"keep_best": True, **scratch}
         common = {"keep_best": True, "ema": 0.99, "eval_every": 50, "max_len": 64}
         if init is None:
-            return {**common, "tokenizer": "bert-uncased", "dropout": 0.2, "token_dropout": 0.2}
+            return {**common, "tokenizer": "bert-uncased", "dropout": 0.2, "token_dropout": 0.2, "pooling": "mean"}
         return {**common, "freeze_embeddings": True, "lr": 1.5e-4, "batch_size": 32, "warmup": 20}
 
     @classmethod
