@@ -207,7 +207,13 @@ def run(name: str, steps: int, seeds: list[int], lr: float | None = None, lrs: l
     if lrs:
         chosen, searched = search(case, steps, seeds[0], lrs, overrides, limit, compile_ours)
         how = f"each side's best on validation of {', '.join(f'{x:g}' for x in lrs)} (seed {seeds[0]})"
-    runs = [pair(case, steps, s, chosen, ("validation", "test"), overrides, limit, compile_ours) for s in seeds]
+    runs = []
+    for seed in seeds:      # each seed's figures printed as it ends: a run cut short keeps the seeds it finished
+        runs.append(pair(case, steps, seed, chosen, ("validation", "test"), overrides, limit, compile_ours))
+        r, m = runs[-1], case.metric
+        print(f"seed {seed} done: test {m} tformer {r['tformer']['test'][m]:.4f}, peer {r['hf']['test'][m]:.4f}; "
+              f"validation {r['tformer']['validation'][m]:.4f} / {r['hf']['validation'][m]:.4f}; "
+              f"step time peer/tformer {r['step_time_ratio']:.2f}x", flush=True)
     mean = {side: statistics.mean(r[side]["test"][case.metric] for r in runs) for side in ("tformer", "hf")}
     mean["step_time_ratio"] = statistics.mean(r["step_time_ratio"] for r in runs)
     return {"case": name, "task": case.task, "peer": case.peer_name, "metric": case.metric, "steps": steps,
