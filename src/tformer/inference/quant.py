@@ -176,11 +176,11 @@ class Int8Linear(nn.Module):
             y = y.add_(self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
 
-    def dequantised(self, start: int, stop: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
-        """Rows [start, stop) of W as s_n·q_nk, (stop - start, K) in `dtype`; written into the first rows of
-        `out` where given (a buffer reused block after block: one allocation for a whole product)."""
-        q, scales = self.weight[start:stop], self.scales[start:stop].to(dtype)[:, None]
-        return q.to(dtype) * scales if out is None else out[:q.size(0)].copy_(q).mul_(scales)
+    def dequantised(self, start: int, stop: int, out: Tensor) -> Tensor:
+        """Rows [start, stop) of W as s_n·q_nk, written into the first rows of `out` (in its dtype): a buffer
+        reused block after block, one allocation for a whole product."""
+        q = self.weight[start:stop]
+        return out[:q.size(0)].copy_(q).mul_(self.scales[start:stop].to(out.dtype)[:, None])
 
     def chunks(self) -> range:
         return range(0, self.out_features, max(1, CHUNK // self.in_features))
@@ -195,7 +195,7 @@ class Int8Linear(nn.Module):
         step = self.chunks().step
         block = x.new_empty(min(step, self.out_features), self.in_features)
         for n in self.chunks():
-            torch.mm(x, self.dequantised(n, n + step, x.dtype, block).t(), out=y[:, n:n + step])
+            torch.mm(x, self.dequantised(n, n + step, block).t(), out=y[:, n:n + step])
         return y if self.bias is None else y.add_(self.bias.to(x.dtype))
 
     def base_grad(self, g: Tensor) -> Tensor:
@@ -203,7 +203,7 @@ class Int8Linear(nn.Module):
         gx, step = g.new_zeros(g.size(0), self.in_features), self.chunks().step
         block = g.new_empty(min(step, self.out_features), self.in_features)
         for n in self.chunks():
-            gx.addmm_(g[:, n:n + step], self.dequantised(n, n + step, g.dtype, block))
+            gx.addmm_(g[:, n:n + step], self.dequantised(n, n + step, block))
         return gx
 
     def _integer_path(self, x: Tensor) -> bool:
