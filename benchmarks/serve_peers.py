@@ -9,14 +9,15 @@ The model: a Llama-shaped decoder of GPT-2-small's size (12 layers, width 768, 1
 rotary positions, untied output layer) with random weights, and a byte-level BPE tokenizer of 8,000
 pieces trained on the shipped Hamlet. It is written three ways from the same tensors: tformer's
 checkpoint, a GGUF file (`tformer.to_gguf`, F32) and a Hugging Face directory (`tformer.to_hf`,
-LlamaForCausalLM). Each engine runs in its own process on 127.0.0.1 with its documented settings for
-concurrent serving:
+LlamaForCausalLM); with `--dtype bf16` the tensors are rounded to bf16 once and all three store those (GGUF
+BF16), and every engine multiplies in bf16. Each engine runs in its own process on 127.0.0.1 with its
+documented settings for concurrent serving:
 
-    tformer       tformer serve --max-batch 16
+    tformer       tformer serve --max-batch 16 --dtype fp32|bf16
     llama.cpp     llama-server --parallel 16 --ctx-size 16384 (1,024 per slot, continuous batching is its
                   default) --threads N --threads-batch N (N = the cores); its KV cache is f16 unless
                   --llama-args '--cache-type-k f32 --cache-type-v f32' (tformer's: fp32, the model's dtype)
-    transformers  transformers serve --continuous-batching --device cpu --dtype float32
+    transformers  transformers serve --continuous-batching --device cpu --dtype float32|bfloat16
 
 The load: `--requests` prompts of 16-256 words of Hamlet (seeded; the same text for every engine),
 streamed `/v1/completions`, greedy, `--max-tokens` new tokens each (llama.cpp: `ignore_eos`; the model
@@ -48,12 +49,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "llama-server"
 CLIENTS = 16
+HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # --dtype -> transformers serve --dtype
 SHAPE = dict(n_layers=12, d_model=768, n_heads=12, d_ff=2048, positional="rope", norm="rmsnorm",
              activation="swiglu", bias=False, tie_embeddings=False, max_seq_len=1024, dropout=0.0, attn_dropout=0.0)
 
 
-def build(work: Path) -> dict[str, Path]:
-    """The same random model as a tformer checkpoint, a GGUF file and a Hugging Face directory."""
+def build(work: Path, dtype: str = "fp32") -> dict[str, Path]:
+    """The same random model as a tformer checkpoint, a GGUF file and a Hugging Face directory, in fp32 or
+    rounded to bf16 (the same bf16 tensors in all three)."""
     import torch
 
     import tformer
@@ -68,8 +71,11 @@ def build(work: Path) -> dict[str, Path]:
     cfg = ModelConfig(kind="decoder", vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id,
                       bos_token_id=tokenizer.bos_id, eos_token_id=None, **SHAPE)
     model = Decoder(cfg).eval()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
     paths = {"tformer": tformer.save(model, work / "tformer", tokenizer=tokenizer),
-             "gguf": tformer.to_gguf(model, work / "model.gguf", tokenizer=tokenizer, type="f32"),
+             "gguf": tformer.to_gguf(model, work / "model.gguf", tokenizer=tokenizer,
+                                      type="bf16" if dtype == "bf16" else "f32"),
              "hf": tformer.to_hf(model, work / "hf", tokenizer=tokenizer)}
     words = text.split()
     rng = random.Random(0)
@@ -87,19 +93,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, work: Path, log, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+def start(engine: str, work: Path, log, extra: list[str] = (), dtype: str = "fp32") -> tuple[subprocess.Popen, str]:
     port = free_port()
     cores = str(os.cpu_count())
     if engine == "tformer":
         cmd = [sys.executable, "-m", "tformer", "serve", "--model", str(work / "tformer"), "--port", str(port),
-               "--max-batch", str(CLIENTS), "--max-queue", "1024", "--name", "model", *extra]
+               "--max-batch", str(CLIENTS), "--max-queue", "1024", "--name", "model", "--dtype", dtype, *extra]
     elif engine == "llama.cpp":
         cmd = [str(LLAMA_SERVER), "-m", str(work / "model.gguf"), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(CLIENTS), "--ctx-size", str(CLIENTS * SHAPE["max_seq_len"]),
                "--threads", cores, "--threads-batch", cores, "--alias", "model", *extra]
     else:
         cmd = [str(Path(sys.executable).parent / "transformers"), "serve", str(work / "hf"), "--host", "127.0.0.1",
-               "--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+               "--port", str(port), "--continuous-batching", "--device", "cpu", "--dtype", HF_DTYPES[dtype],
                "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TFORMER_API_KEY": ""})
     base = f"http://127.0.0.1:{port}"
@@ -191,6 +197,9 @@ def main() -> None:
     p.add_argument("--tformer-args", default="", help="more `tformer serve` flags, e.g. '--prefill-tokens 256'")
     p.add_argument("--llama-args", default="", help="more `llama-server` flags, e.g. '--cache-type-k f32 "
                    "--cache-type-v f32' (its KV cache is f16 by default; tformer's is the model's dtype)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the weights every engine serves and multiplies: fp32, or bf16 (tformer serve --dtype bf16, "
+                        "a bf16 GGUF, transformers serve --dtype bfloat16)")
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     engines = opts.engines.split(",")
@@ -198,17 +207,17 @@ def main() -> None:
         raise SystemExit(f"{LLAMA_SERVER} is missing: run `make llama-server` first (or --engines without llama.cpp)")
     work = Path(tempfile.mkdtemp(prefix="serve-peers-"))
     try:
-        build(work)
+        build(work, opts.dtype)
         prompts = json.loads((work / "prompts.json").read_text())[:opts.requests]
-        print(f"CPU: {cpu()}, {os.cpu_count()} cores; {len(prompts)} requests x {opts.max_tokens} tokens, "
-              f"{CLIENTS} clients; work in {work}", flush=True)
+        print(f"CPU: {cpu()}, {os.cpu_count()} cores; {opts.dtype}; {len(prompts)} requests x {opts.max_tokens} "
+              f"tokens, {CLIENTS} clients; work in {work}", flush=True)
         rounds = []
         for k in range(opts.rounds):
             row = {}
             for engine in engines:
                 with open(work / f"{engine}.log", "a") as log:
                     extra = {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "")
-                    proc, base = start(engine, work, log, extra.split())
+                    proc, base = start(engine, work, log, extra.split(), opts.dtype)
                     try:
                         name = model_name(base)
                         stream(base, engine, name, prompts[0], 4)          # warm-up
@@ -233,7 +242,8 @@ def main() -> None:
                   f"TTFT p50 {statistics.median(ttft):.2f}x ({min(ttft):.2f}-{max(ttft):.2f}) (below 1: tformer's "
                   f"first token sooner)")
         if opts.json:
-            Path(opts.json).write_text(json.dumps({"cpu": cpu(), "rounds": rounds, "summary": summary}, indent=1))
+            Path(opts.json).write_text(json.dumps({"cpu": cpu(), "dtype": opts.dtype, "rounds": rounds,
+                                                   "summary": summary}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -53,10 +53,10 @@ def save_tiny(path, kind: str = "decoder", seed: int = 0, tokenizer: Tokenizer |
 
 
 @contextlib.contextmanager
-def serving(path, adapters=(), draft=None, **options):
+def serving(path, adapters=(), draft=None, dtype=None, **options):
     """(base_url, app) of a running server for the checkpoint at `path` (+ `adapters`, "NAME=RUN" as
-    --adapter takes them, and a `draft` model as --draft-model); stopped on exit."""
-    served = Served(str(path), adapters=[str(a) for a in adapters], draft=draft and str(draft))
+    --adapter takes them, a `draft` model as --draft-model, the weights in `dtype` as --dtype); stopped on exit."""
+    served = Served(str(path), adapters=[str(a) for a in adapters], draft=draft and str(draft), dtype=dtype)
     app = create_app(served, Options(**options))
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

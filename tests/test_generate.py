@@ -355,6 +355,32 @@ def test_cli_streams_seeded_text_reproducibly(checkpoint, capsys, monkeypatch):
     assert "l" not in capsys.readouterr().out
 
 
+def test_cli_dtype_bf16_generates_as_the_checkpoint_loaded_in_bf16(checkpoint, chars, capsys, monkeypatch):
+    """--dtype bf16: the weights are multiplied in bf16 (the same greedy text as tformer.load(dtype=bf16)),
+    with a warning where the CPU has no bf16 units; --dtype fp32 is the default."""
+    args = ["generate", "--model", checkpoint, "--prompt", "hello", "--greedy", "--max-new-tokens", "20", "--no-echo"]
+    ids = torch.tensor([chars.encode("hello")])
+    expected = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tformer.load(checkpoint, dtype=None if dtype == torch.float32 else dtype)
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        expected[dtype] = chars.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.size(1):])
+    loaded, load = [], tformer.checkpoints.format.load           # the dtype of the model the command runs
+    monkeypatch.setattr("tformer.checkpoints.format.load", lambda *a, **k: (m := load(*a, **k), loaded.append(
+        next(m.parameters()).dtype))[0])
+    assert main(args) == 0 and capsys.readouterr().out.strip() == expected[torch.float32]
+    monkeypatch.setattr("tformer.devices.native_bf16", lambda device: True)
+    assert main(args + ["--dtype", "bf16"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == expected[torch.bfloat16] and out.err == ""
+    monkeypatch.setattr("tformer.devices.native_bf16", lambda device: False)
+    assert main(args + ["--dtype", "bf16"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == expected[torch.bfloat16]
+    assert out.err.startswith("warning: --dtype bf16: this CPU has no bf16 units") and out.err.count("\n") == 1
+    assert loaded == [torch.float32, torch.bfloat16, torch.bfloat16]
+
+
 def test_cli_prompt_from_an_unreadable_stdin_is_one_error_line(checkpoint, capsys, monkeypatch):
     class Closed(io.StringIO):
         def read(self, *args):

@@ -21,11 +21,11 @@ from tformer.data.tokenizers import Tokenizer
 from tformer.errors import ConfigError
 
 IDS = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
-# Each weight's error: f16 rounds to half an ulp (relative 2^-11); q8_0 to half a step of its block's
-# scale, max|block| / 127 (relative 1/254 of the block's largest weight). These random models amplify
-# weight noise into the logits about 10-15 times (measured max|Δ| / max|logit|: f16 3.5e-3, q8_0 7.5e-2,
-# over three seeds of each shape), so each bound is 30 times the per-weight error.
-TOLERANCE = {"f16": 30 * 2 ** -11, "q8_0": 30 / 254}
+# Each weight's error: f16 rounds to half an ulp (relative 2^-11), bf16 likewise (2^-8); q8_0 to half a
+# step of its block's scale, max|block| / 127 (relative 1/254 of the block's largest weight). These random
+# models amplify weight noise into the logits about 10-15 times (measured max|Δ| / max|logit|: f16 3.5e-3,
+# q8_0 7.5e-2, over three seeds of each shape), so each bound is 30 times the per-weight error.
+TOLERANCE = {"f16": 30 * 2 ** -11, "bf16": 30 * 2 ** -8, "q8_0": 30 / 254}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,10 @@ def f16(w):
     return w.half().float()
 
 
+def bf16(w):
+    return w.bfloat16().float()       # round to nearest even, as ggml's fp32 -> bf16 (GGML_FP32_TO_BF16)
+
+
 def q8_0(w):
     """ggml's q8_0 (quantize_row_q8_0_ref, dequantize_row_q8_0): blocks of 32 weights along a row,
     scale d = max|x| / 127 stored as f16, q = roundf(x / d) in int8; the weight read back is q * d."""
@@ -80,9 +84,9 @@ def q8_0(w):
     return (q * f16(d)).reshape(w.shape)
 
 
-@pytest.mark.parametrize("type", ["f16", "q8_0"])
+@pytest.mark.parametrize("type", ["f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_f16_and_q8_0_round_trips(shape, type, tokenizer, tmp_path):
+def test_f16_bf16_and_q8_0_round_trips(shape, type, tokenizer, tmp_path):
     """The weights read back are exactly the definition's rounding of each matrix (q8_0 only where
     rows are a multiple of 32 long, else f16; norms, biases, positions untouched), and the logits
     stay within the stated bound; where the model is far from a tie, its choice does not change."""
@@ -93,7 +97,7 @@ def test_f16_and_q8_0_round_trips(shape, type, tokenizer, tmp_path):
         if w.dim() < 2 or "embed.position" in name:
             want = w
         else:
-            want = q8_0(w) if type == "q8_0" and w.shape[-1] % 32 == 0 else f16(w)
+            want = bf16(w) if type == "bf16" else q8_0(w) if type == "q8_0" and w.shape[-1] % 32 == 0 else f16(w)
         torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
     a, b = logits(model, IDS), logits(back, IDS)
     bound = TOLERANCE[type] * a.abs().max()

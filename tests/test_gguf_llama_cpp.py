@@ -29,7 +29,7 @@ F32_TOLERANCE = {"gpt2": 4 * 2 ** -11, "llama": 1e-4, "llama-tied": 1e-4}
 # blocks: another 1/254 of each block's largest value), so its error is about twice tformer's weight
 # rounding alone (tests/test_gguf.py bounds that by 30 ε); 60 ε here: f16 ε = 2^-11, q8_0 ε = 1/254
 # (measured: f16 4.6e-3, q8_0 1.4e-1 of max|logit|).
-TOLERANCE = {"f16": 60 * 2 ** -11, "q8_0": 60 / 254}
+TOLERANCE = {"f16": 60 * 2 ** -11, "bf16": 60 * 2 ** -8, "q8_0": 60 / 254}
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,9 @@ def test_llama_cpp_tokenizes_and_greedy_decodes_as_tformer(shape, tokenizer, tmp
         assert (llama_logits(llm, seq) - ours_logits).abs().max() <= bound * ours_logits.abs().max()
 
 
-@pytest.mark.parametrize("type", ["f16", "q8_0"])
+@pytest.mark.parametrize("type", ["f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_llama_cpp_logits_of_f16_and_q8_0_files(shape, type, tokenizer, tmp_path):
+def test_llama_cpp_logits_of_f16_bf16_and_q8_0_files(shape, type, tokenizer, tmp_path):
     model = decoder(shape, tokenizer)
     llm = load(to_gguf(model, tmp_path / "m.gguf", tokenizer=tokenizer, type=type))
     ids = tokenizer.encode(" ".join(PROMPTS))

@@ -26,9 +26,9 @@ def decoder_server(decoder):
         yield base, app
 
 
-def reference(path, prompt: str, max_tokens: int) -> str:
-    """model.generate on the prompt alone (a separately loaded model), greedy, as text."""
-    model, tok = tformer.load(path), char_tokenizer()
+def reference(path, prompt: str, max_tokens: int, dtype=None) -> str:
+    """model.generate on the prompt alone (a separately loaded model, in `dtype`), greedy, as text."""
+    model, tok = tformer.load(path, dtype=dtype), char_tokenizer()
     src = torch.tensor([tok.encode(prompt) + ([tok.eos_id] if model.is_encoder_decoder else [])])  # as translators read
     out = model.generate(src, max_new_tokens=max_tokens, eos_token_id=[])[0]
     return tok.decode(out[1:] if model.is_encoder_decoder else out[src.size(1):])
@@ -39,16 +39,20 @@ def concurrently(fn, items):
         return list(pool.map(fn, items))
 
 
-@pytest.mark.parametrize("kind", ["decoder", "encoder-decoder"])
-def test_greedy_equals_generate_for_concurrent_mixed_prompts(kind, decoder, tmp_path):
+@pytest.mark.parametrize("kind, dtype", [("decoder", None), ("encoder-decoder", None),
+                                         ("decoder", torch.bfloat16), ("encoder-decoder", torch.bfloat16)])
+def test_greedy_equals_generate_for_concurrent_mixed_prompts(kind, dtype, decoder, tmp_path):
+    """Also with the weights in bf16 (`tformer serve --dtype bf16`): the same tokens as generate() of the
+    checkpoint loaded in bf16."""
     path = decoder if kind == "decoder" else save_tiny(tmp_path / "s2s", "encoder-decoder")
     lengths = [12, 30, 7, 25, 18, 9]
-    with serving(path, max_batch=3, prefill_tokens=8) as (base, _):
+    with serving(path, max_batch=3, prefill_tokens=8, dtype=dtype) as (base, app):
+        assert {p.dtype for p in app.state.tformer.served.model.parameters()} == {dtype or torch.float32}
         c = client(base)
         got = concurrently(lambda i: c.completions.create(model=path.name, prompt=PROMPTS[i], max_tokens=lengths[i],
                                                           temperature=0), range(len(PROMPTS)))
     for i, r in enumerate(got):
-        assert r.choices[0].text == reference(path, PROMPTS[i], lengths[i]), i
+        assert r.choices[0].text == reference(path, PROMPTS[i], lengths[i], dtype), i
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == lengths[i]
         n_prompt = len(char_tokenizer().encode(PROMPTS[i])) + (kind == "encoder-decoder")   # + the source's EOS

@@ -226,10 +226,13 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} cannot be read as safetensors ({e})") from None
 
 
-def load(path: str | os.PathLike, device: str | torch.device | None = None) -> nn.Module:
-    """Load a model saved by `save` (or from a run directory: its `best/` model if it has one, else
-    its newest checkpoint; see `resolve`). The model is in eval mode; move it with `device` or `.to(...)`."""
-    return _load(verify(path), device)
+def load(path: str | os.PathLike, device: str | torch.device | None = None,
+         dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a model saved by `save` (or from a run directory: its `best/` model if it has one, else its newest
+    checkpoint; see `resolve`), in eval mode, on `device`, its weights (an adapter's too) in fp32 whatever
+    the file stores (training's dtype), or in `dtype` (bf16: half the memory and the bytes a step reads)."""
+    model = _load(verify(path), device)
+    return model if dtype is None else model.to(dtype)
 
 
 def _load(data: dict[str, Any], device) -> nn.Module:
@@ -281,10 +284,11 @@ def load_source_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     return Tokenizer.from_file(file) if separate else None
 
 
-def load_draft(path: str | os.PathLike, tokenizer: Tokenizer, context: int = 0, device=None) -> nn.Module:
+def load_draft(path: str | os.PathLike, tokenizer: Tokenizer, context: int = 0, device=None,
+               dtype: torch.dtype | None = None) -> nn.Module:
     """A draft model for speculative decoding (`--draft-model`): a decoder with the model's tokenizer
     (`tokenizer`'s vocabulary, token for token) and a context of at least `context` positions."""
-    draft = load(path, device)
+    draft = load(path, device, dtype)
     if draft.kind != "decoder":
         raise ConfigError(f"--draft-model {path} holds a {type(draft).__name__}; a draft must be a decoder (GPT-style)")
     if load_tokenizer(path).hf.get_vocab(with_added_tokens=True) != tokenizer.hf.get_vocab(with_added_tokens=True):

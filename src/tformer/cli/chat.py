@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from tformer.cli import COMMANDS
-from tformer.cli.common import add_sampling_flags
+from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype
 from tformer.generation.settings import CHAT_DEFAULTS as DEFAULTS
 
 
@@ -37,6 +37,7 @@ def register(sub) -> None:
     add_sampling_flags(p, DEFAULTS, f"a reply ends after N tokens (default {DEFAULTS.max_new_tokens}); at most "
                                     "half the context is kept for it")
     p.add_argument("--device", default=None, help="torch device for the model (default: where it loads, the CPU)")
+    add_dtype_flag(p)
     p.set_defaults(func=run)
 
 
@@ -50,7 +51,7 @@ def run(args) -> int:
     from tformer.inference.limits import check_generation
 
     directory = resolve(args.model)
-    model = load(directory, args.device)
+    model = load(directory, args.device, model_dtype(args.dtype, args.device))
     if model.kind != "decoder":
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot chat (use a decoder with a "
                            f"chat template)")

@@ -42,6 +42,33 @@ def load_task_model(path: str, kind: str, what: str, task: str):
     return model, tokenizer, max_len, meta
 
 
+DTYPES = ("fp32", "bf16")       # --dtype: the weights' dtype while a command runs the model
+
+
+def add_dtype_flag(p) -> None:
+    """--dtype, the weights' dtype for `tformer serve`, `generate` and `chat` (model_dtype reads it)."""
+    p.add_argument("--dtype", choices=DTYPES, default="fp32",
+                   help="the weights' dtype: fp32 (a checkpoint stored in bf16 is widened), or bf16: half the memory "
+                        "and the bytes a decoding step reads, the products on bf16 units where the CPU has them "
+                        "(AVX-512 BF16, AMX); outputs rounded to bf16's 8 significant bits (default %(default)s)")
+
+
+def model_dtype(name: str, device: str | None = None):
+    """--dtype's value -> what checkpoints.format.load takes (None: fp32, as stored for training), with a
+    warning where `device` (default the CPU) has no bf16 units (bf16 products are then slower than fp32's)."""
+    import torch
+
+    from tformer.devices import native_bf16
+    from tformer.errors import warn
+
+    if name == "fp32":
+        return None
+    if not native_bf16(torch.device(device or "cpu")):
+        warn(f"--dtype bf16: {device or 'this CPU'} has no bf16 units (a CPU's AVX-512 BF16 or AMX); bf16 products "
+             "are slower than fp32's there (the memory is still halved)")
+    return torch.bfloat16
+
+
 def check_destination(src: Path, dst: Path, force: bool) -> None:
     """Never overwrite what the user has, unless asked; never replace the source with its copy."""
     if dst.exists() and not dst.is_dir():

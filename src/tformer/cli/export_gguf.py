@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("export-gguf", help=COMMANDS["export-gguf"], description=COMMANDS["export-gguf"])
     p.add_argument("src", metavar="SRC", help="tformer checkpoint or run directory (its newest checkpoint)")
     p.add_argument("out", metavar="OUT.gguf", help="the GGUF file to write")
-    p.add_argument("--type", choices=("f32", "f16", "q8_0"), default="f32",
+    p.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"), default="f32",
                    help="tensor type of the matrices (norms and biases stay f32; default: f32)")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="write the model alone, without the checkpoint's tokenizer (e.g. a char tokenizer)")

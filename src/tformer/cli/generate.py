@@ -17,7 +17,7 @@ import sys
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import positive_int
-from tformer.cli.common import add_sampling_flags
+from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype
 from tformer.generation.settings import TEXT_DEFAULTS as DEFAULTS
 
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
@@ -48,6 +48,7 @@ def register(sub) -> None:
                         "tokens where they occurred earlier in the prompt or text (N=2-3 is typical)")
     p.add_argument("--num-draft-tokens", type=positive_int, metavar="K",
                    help="tokens drafted per step with --draft-model or --prompt-lookup (default 4)")
+    add_dtype_flag(p)
     p.set_defaults(func=run)
 
 
@@ -66,7 +67,7 @@ def run(args) -> int:
         except OSError as e:
             raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
                                f"pipe the text in or give it directly") from None
-    model = load(args.model)
+    model = load(args.model, dtype=model_dtype(args.dtype))
     if model.kind not in ("decoder", "encoder-decoder"):
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
                            f"(use a Decoder or EncoderDecoder checkpoint)")
@@ -127,7 +128,8 @@ def _speculation(args, tokenizer) -> dict:
     if args.draft_model is not None:
         from tformer.checkpoints.format import load_draft
 
-        draft = load_draft(args.draft_model, tokenizer)        # generate() checks its context against the text
+        # generate() checks its context against the text; the draft multiplies in the model's dtype
+        draft = load_draft(args.draft_model, tokenizer, dtype=model_dtype(args.dtype))
     return dict(draft_model=draft, prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                 speculative_stats=SpeculativeStats())
 

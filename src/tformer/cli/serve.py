@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import nonneg_float, number, positive_int
+from tformer.cli.common import add_dtype_flag, model_dtype
 
 port = number(int, 0, 65535, what="a port number")
 
@@ -45,6 +46,7 @@ def register(sub) -> None:
     p.add_argument("--max-body", type=positive_int, default=1 << 20, metavar="BYTES",
                    help="largest request body; larger ones get HTTP 413 (default %(default)s)")
     p.add_argument("--device", default=None, help="torch device for the model (default: where it loads, the CPU)")
+    add_dtype_flag(p)
     p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens prefilled per step while other rows decode, which bounds their wait "
                         "(default: serve.Options', see docs/SERVING.md)")
@@ -90,7 +92,8 @@ def run(args) -> int:
         raise ConfigError("--num-draft-tokens needs --prompt-lookup N or --draft-model RUN")
     if args.prompt_lookup is not None and args.draft_model is not None:
         raise ConfigError("give --draft-model or --prompt-lookup, not both (one source of drafts)")
-    served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter, args.draft_model)
+    served = on_a_thread_of_its_own(Served, args.model, args.name, args.device, args.adapter, args.draft_model,
+                                    model_dtype(args.dtype, args.device))
     drafts = "--prompt-lookup" if args.prompt_lookup is not None else "--draft-model" if args.draft_model else None
     if drafts and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
         raise ConfigError(f"{drafts} serves decoders without a position bias; {served.name!r} is "

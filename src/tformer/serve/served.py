@@ -45,18 +45,20 @@ class OutputText:
 
 class Served:
     def __init__(self, path: str, name: str | None = None, device: str | None = None, adapters: list[str] = (),
-                 draft: str | None = None):
+                 draft: str | None = None, dtype: torch.dtype | None = None):
         directory = resolve(path)
         self.model = load(directory, device)
         self.name = name or Path(path).resolve().name
         self.adapters = Adapters(self.name)                  # --adapter NAME=RUN: LoRA adapters, chosen per request
         self.adapters.load(self.model, directory, list(adapters))
+        if dtype is not None:                                # --dtype bf16: the base and its adapters
+            self.model.to(dtype)
         self.kind = self.model.kind
         cfg = self.model.cfg
         self.context = cfg.max_seq_len
         self.tokenizer = load_tokenizer(directory)
         # --draft-model: a small decoder with the same tokenizer drafting for speculative decoding (speculation.py)
-        self.draft = load_draft(draft, self.tokenizer, cfg.max_seq_len, device) if draft is not None else None
+        self.draft = load_draft(draft, self.tokenizer, cfg.max_seq_len, device, dtype) if draft is not None else None
         self.source_tokenizer = load_source_tokenizer(directory) or self.tokenizer
         self.output = OutputText(self.tokenizer)
         self.chat: ChatTemplate | None = find_chat_template(directory)

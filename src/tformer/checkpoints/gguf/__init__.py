@@ -11,7 +11,8 @@ reordered for llama.cpp's rope); the tokenizer is written as llama.cpp's byte-le
 Reading is the same path backwards, strict: every tensor the metadata implies must be there with its
 shape, nothing else may be, and a configuration tformer cannot run exactly is refused by name.
 
-Tensor types (`type`): f32; f16; q8_0 (blocks of 32 weights, one f16 scale each). As llama.cpp's
+Tensor types (`type`): f32; f16; bf16 (fp32 rounded to its 8 significant bits, as torch's .bfloat16());
+q8_0 (blocks of 32 weights, one f16 scale each). As llama.cpp's
 converter does, 1-D tensors, norms, biases and GPT-2's position table stay f32, and q8_0 falls back to
 f16 for a matrix whose rows are not a multiple of 32 long. Reading takes F32, F16, BF16 and Q8_0
 (dequantised to fp32); any other type (Q4_K, ...) is refused by name.
@@ -37,7 +38,7 @@ from .names import ARCHS, from_gguf_layout, gguf_arch, gguf_name, gguf_shape, hf
 from .vocab import gguf_vocab, read_tokenizer, write_vocab
 
 log = logging.getLogger(__name__)
-TYPES = {"f32": 0, "f16": 1, "q8_0": 7}            # --type -> general.file_type (gguf.LlamaFileType)
+TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}   # --type -> general.file_type (gguf.LlamaFileType)
 READABLE = ("F32", "F16", "BF16", "Q8_0")
 REQUIRED = object()
 
@@ -110,7 +111,7 @@ def _encode(gguf, name: str, data, type: str):
             or name == "position_embd.weight")
     if type == "f32" or keep:
         return data, q.F32
-    qtype = q.F16 if type == "f16" else q.Q8_0
+    qtype = {"f16": q.F16, "bf16": q.BF16}.get(type, q.Q8_0)
     try:
         return gguf.quants.quantize(data, qtype), qtype
     except gguf.QuantError:            # rows not a multiple of the 32-weight block
