@@ -47,9 +47,10 @@ def prompt(fast, messages) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def greedy_reply(path, fast, messages) -> str:
-    """The reference: greedy generate() on transformers' rendering, cut at EOS, without special tokens."""
-    model = tformer.load(path)
+def greedy_reply(path, fast, messages, dtype=None) -> str:
+    """The reference: greedy generate() on transformers' rendering (the model in `dtype`), cut at EOS, without
+    special tokens."""
+    model = tformer.load(path, dtype=dtype)
     ids = prompt(fast, messages)
     eos = eos_ids(model, tokenizer=load_tokenizer(path))
     new = model.generate(torch.tensor([ids]), max_new_tokens=REPLY, eos_token_id=eos)[0, len(ids):].tolist()
@@ -63,15 +64,18 @@ def chat(path, stdin: str, *flags: str) -> subprocess.CompletedProcess:
                           input=stdin, capture_output=True, text=True, timeout=120)
 
 
-def test_replies_are_greedy_generate_with_the_history_until_reset(chat_model):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_replies_are_greedy_generate_with_the_history_until_reset(chat_model, dtype):
+    """Also with --dtype bf16: the replies of the model loaded in bf16."""
     path, fast = chat_model
-    out = chat(path, "hi\nwho are you?\n/reset\nwho are you?\n/exit\nnever read\n", "--system", SYSTEM)
+    out = chat(path, "hi\nwho are you?\n/reset\nwho are you?\n/exit\nnever read\n", "--system", SYSTEM,
+               "--dtype", dtype)
     assert out.returncode == 0, out.stderr
-    system = [{"role": "system", "content": SYSTEM}]
-    first = greedy_reply(path, fast, system + [{"role": "user", "content": "hi"}])
+    system, load_as = [{"role": "system", "content": SYSTEM}], {"fp32": None, "bf16": torch.bfloat16}[dtype]
+    first = greedy_reply(path, fast, system + [{"role": "user", "content": "hi"}], load_as)
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first}]
-    second = greedy_reply(path, fast, system + history + [{"role": "user", "content": "who are you?"}])
-    after_reset = greedy_reply(path, fast, system + [{"role": "user", "content": "who are you?"}])
+    second = greedy_reply(path, fast, system + history + [{"role": "user", "content": "who are you?"}], load_as)
+    after_reset = greedy_reply(path, fast, system + [{"role": "user", "content": "who are you?"}], load_as)
     assert second != after_reset                               # the history changed the second reply
     assert out.stdout == f"{first}\n{second}\n{after_reset}\n"
     assert "reset" in out.stderr
