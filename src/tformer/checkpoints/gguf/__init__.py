@@ -11,11 +11,11 @@ reordered for llama.cpp's rope); the tokenizer is written as llama.cpp's byte-le
 Reading is the same path backwards, strict: every tensor the metadata implies must be there with its
 shape, nothing else may be, and a configuration tformer cannot run exactly is refused by name.
 
-Tensor types (`type`): f32; f16; bf16 (fp32 rounded to its 8 significant bits, as torch's .bfloat16());
-q8_0 (blocks of 32 weights, one f16 scale each). As llama.cpp's
-converter does, 1-D tensors, norms, biases and GPT-2's position table stay f32, and q8_0 falls back to
-f16 for a matrix whose rows are not a multiple of 32 long. Reading takes F32, F16, BF16 and Q8_0
-(dequantised to fp32); any other type (Q4_K, ...) is refused by name.
+Tensor types (`type`): f32; f16; bf16 (rounded to 8 significant bits as torch's .bfloat16() rounds); q8_0
+(blocks of 32 weights, one f16 scale each). As llama.cpp's converter does, 1-D tensors, norms, biases and
+GPT-2's position table stay f32, and q8_0 falls back to f16 for a matrix whose rows are not a multiple of
+32 long. Reading takes F32, F16, BF16 and Q8_0 (dequantised to fp32); any other type (Q4_K, ...) is
+refused by name.
 
 Writing is atomic: the file is written hidden next to `path` and renamed into place; on an error
 nothing is left. Needs the `gguf` package (`pip install 'tformer[gguf]'`), imported on first use.
