@@ -67,7 +67,8 @@ def run(args) -> int:
         except OSError as e:
             raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
                                f"pipe the text in or give it directly") from None
-    model = load(args.model, dtype=model_dtype(args.dtype))
+    dtype = model_dtype(args.dtype)                      # (its warning once, for the model and a draft)
+    model = load(args.model, dtype=dtype)
     if model.kind not in ("decoder", "encoder-decoder"):
         raise TformerError(f"{args.model} holds a {type(model).__name__}, which cannot generate text "
                            f"(use a Decoder or EncoderDecoder checkpoint)")
@@ -86,7 +87,7 @@ def run(args) -> int:
     options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-                   eos_token_id=eos_ids(model, tokenizer=tokenizer), **_speculation(args, tokenizer))
+                   eos_token_id=eos_ids(model, tokenizer=tokenizer), **_speculation(args, tokenizer, dtype))
     # one generator for the whole text: the sliding window's rounds continue its sequence
     generator = make_generator(args.seed, next(model.parameters()).device) if args.seed is not None else None
     from tformer.inference.limits import check_generation
@@ -112,7 +113,7 @@ def run(args) -> int:
     return 0
 
 
-def _speculation(args, tokenizer) -> dict:
+def _speculation(args, tokenizer, dtype) -> dict:
     """generate()'s speculative arguments from the flags: the draft model loaded and checked against
     the model's tokenizer, and the stats to print; {} without --draft-model / --prompt-lookup."""
     from tformer.errors import TformerError
@@ -129,7 +130,7 @@ def _speculation(args, tokenizer) -> dict:
         from tformer.checkpoints.format import load_draft
 
         # generate() checks its context against the text; the draft multiplies in the model's dtype
-        draft = load_draft(args.draft_model, tokenizer, dtype=model_dtype(args.dtype))
+        draft = load_draft(args.draft_model, tokenizer, dtype=dtype)
     return dict(draft_model=draft, prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                 speculative_stats=SpeculativeStats())
 
