@@ -48,10 +48,11 @@ def test_fused_step_equals_the_layers(rows, kw):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_fused_int8_step_equals_the_int8_layers(rows):
-    """quantize_int8: the fused step runs tformer's int8 kernel (quant.Gemv8) in every layer, with the
+    """quantize_int8: the fused step runs tformer's int8 kernel (int8_plans.Gemv8) in every layer, with the
     results of the layers run one by one (which take the same kernel), and as close to the fp32 model
     as FBGEMM's int8 products are (later steps may pick other tokens)."""
-    from tformer.inference.quant import Gemv8, quantize_int8
+    from tformer.inference.int8_plans import Gemv8
+    from tformer.inference.quant import quantize_int8
     model = gpt(seed=rows)
     ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
     fp32 = steps(model, ids, 6, True)

@@ -1,6 +1,7 @@
 """quantize_int8 from any dtype: a bf16 model quantises (int8 activations, on a CPU) to the very model its fp32
 copy gives — the same modules, tensors, dtypes and outputs, and the same fast decoding path (the fused GPT
-step), where a bf16 model kept in bf16 around its int8 layers took none of it."""
+step), where a bf16 model kept in bf16 around its int8 layers took none of it. An encoder on a CPU with bf16
+units comes out in bf16 around its int8 layers (it never decodes; its products of many rows are bf16 anyway)."""
 
 import copy
 
@@ -8,7 +9,10 @@ import pytest
 import torch
 
 import tformer
-from tformer.inference.quant import Int8Linear, dynamic_int8_available, quantize_int8
+from tformer.inference.int8_plans import dynamic_int8_available
+from tformer.devices import native_bf16
+from tformer.inference import int8_plans
+from tformer.inference.quant import INT8_MAX_ROWS, Int8Linear, quantize_int8
 from tformer.kernels import gemv
 
 pytestmark = pytest.mark.skipif(not dynamic_int8_available(), reason="no FBGEMM in this PyTorch build")
@@ -46,8 +50,12 @@ def test_a_bf16_model_quantises_to_the_model_its_fp32_copy_gives(kind):
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
-    floats = {t.dtype for t in [*from_bf16.parameters(), *from_bf16.buffers()] if t.is_floating_point()}
-    assert floats == {torch.float32}                             # scales, biases, norms, embeddings
+    rest = torch.bfloat16 if kind == "encoder" and native_bf16(torch.device("cpu")) else torch.float32
+    int8 = {id(t) for m in from_bf16.modules() if isinstance(m, Int8Linear) for t in m.buffers()}
+    floats = {t.dtype for t in [*from_bf16.parameters(), *from_bf16.buffers()] if t.is_floating_point()
+              and id(t) not in int8}
+    assert floats == {rest}                                      # norms, embeddings
+    assert {m.scales.dtype for m in from_bf16.modules() if isinstance(m, Int8Linear)} == {torch.float32}
     assert torch.equal(outputs(from_bf16, kind), outputs(from_fp32, kind))
 
 
@@ -67,3 +75,25 @@ def test_weight_only_int8_keeps_the_models_dtype():
     bf16, _ = bf16_and_its_fp32_copy("decoder")
     model = quantize_int8(bf16, activations="float")
     assert model.lm_head.scales.dtype == torch.bfloat16 and model.stack.embed.token.weight.dtype == torch.bfloat16
+
+
+def test_an_int8_encoder_in_bf16_is_the_fp32_one_within_bf16s_rounding(monkeypatch):
+    """dtype=None (bf16 for an encoder on a CPU with bf16 units) against dtype=fp32 on the same weights: the
+    same int8 weights and scales; hidden states of a batch of more than INT8_MAX_ROWS tokens within what
+    rounding the activations to bf16 explains (the products of both multiply in bf16: WideBf16)."""
+    torch.manual_seed(0)
+    fp32 = KINDS["encoder"]().eval()
+    chosen, in_fp32 = quantize_int8(copy.deepcopy(fp32)), quantize_int8(copy.deepcopy(fp32), dtype=torch.float32)
+    assert {t.dtype for t in in_fp32.parameters()} == {torch.float32}
+    ints = lambda m: {k: v for k, v in m.state_dict().items() if not v.is_floating_point() or "scales" in k}
+    assert all(torch.equal(v, ints(in_fp32)[k]) for k, v in ints(chosen).items())
+    calls = []
+    original = int8_plans.WideBf16.__call__
+    monkeypatch.setattr(int8_plans.WideBf16, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    ids = torch.randint(3, 1000, (8, 40), generator=torch.Generator().manual_seed(1))      # 320 > INT8_MAX_ROWS
+    assert ids.numel() > INT8_MAX_ROWS
+    with torch.inference_mode():
+        ours, reference = chosen(ids).float(), in_fp32(ids)
+    assert bool(calls) == native_bf16(torch.device("cpu"))       # elsewhere: the dequantised fp32 product
+    cos = torch.nn.functional.cosine_similarity(ours.flatten(1), reference.flatten(1), dim=-1)
+    assert cos.min() > 0.9999                                    # a bf16 model against its fp32 copy: ~0.99998

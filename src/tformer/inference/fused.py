@@ -5,7 +5,7 @@ or more PyTorch ops and module calls per layer, a large share of the token on a 
 "Kernels"). For a stack of
 pre-LN blocks with LayerNorm, multi-head attention without rotary positions and a plain GELU/ReLU FFN
 (GPT-2, GPT-Neo-like shapes), every weight already on the gemv plan (fp32) or quantised to int8
-(quantize_int8: tformer's int8 kernel, quant.Gemv8), the whole step runs in C:
+(quantize_int8: tformer's int8 kernel, int8_plans.Gemv8), the whole step runs in C:
 
     step = GPTStep.of(stack.layers)          # None where a layer does not fit
     x = step(x, caches)                      # (B, 1, D) -> (B, 1, D); None where this step does not fit
@@ -25,7 +25,8 @@ from ..kernels import gemv
 from ..model.kv_cache import KVCache
 from ..model.layers import ACTIVATIONS, DecoderLayer, PreNorm
 from ..model.linear import Gemv
-from .quant import Gemv8, Int8Linear
+from .int8_plans import Gemv8
+from .quant import Int8Linear
 
 ACTS = {F.gelu: 0, ACTIVATIONS["gelu_tanh"]: 1, F.relu: 2}     # the kernel's codes
 

@@ -1,5 +1,5 @@
 """Int8 token embeddings, for a frozen base under LoRA adapters: `--lora-int8` quantises its base with
-`quantize_base` (quant.py's quantize_int8, then the token embeddings). The table E (V, D) is stored as
+`quantize_base` (quant.py's quantize_int8 in fp32, then the token embeddings). The table E (V, D) is stored as
 quant.py stores a linear layer's weight: one scale per row (per token), s_t = max_k |E_tk| / 127, and
 q_tk = round(E_tk / s_t) in [-127, 127]. A lookup gathers the rows of q and s and multiplies:
 
@@ -42,7 +42,7 @@ def quantize_base(model: nn.Module) -> nn.Module:
     """The frozen base of `--lora-int8`, in place: every nn.Linear int8 (quantize_int8), then every token
     embedding (Embeddings.token, an encoder-decoder's shared table wherever it is held) an Int8Embedding,
     sharing the q and s of the Int8Linear that holds the very same numbers (its tied output layer)."""
-    quantize_int8(model)
+    quantize_int8(model, dtype=torch.float32)          # the adapters train in fp32 around it, any model kind
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
     tables = {id(m.token): m.token for m in model.modules()
               if isinstance(m, Embeddings) and isinstance(m.token, nn.Embedding)}

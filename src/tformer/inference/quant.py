@@ -24,12 +24,14 @@ so the matmul runs on q directly and the scale is applied once per output. Two w
   fused step (fused.py) runs whole int8 layers in C (BENCHMARKS.md, "Kernels").
   Inputs of more than INT8_MAX_ROWS rows (encoders, prompts: compute-bound) are not rounded to 7
   bits, which would cost accuracy there (MiniLM's embeddings; BENCHMARKS.md, "Int8 quality"). On a
-  CPU with bf16 units they multiply in bf16 by q itself, exact in bf16 (|q| <= 127 needs 7 of its 8
-  significant bits), and the scales follow in fp32: x and the sum are rounded to bf16 (relative
-  u = 2^-8 each, so |error| <= 2u·Σ_k |x_mk| s_n |q_nk| on top of the weights' — within the int8
-  inputs' bound below, as r_m/128 against r_m/127), at bf16's speed (for MiniLM faster than the
-  dequantised fp32 product, as accurate; same section). Elsewhere they multiply by the dequantised
-  weight, as in weight-only mode.
+  CPU with bf16 units they multiply in bf16, in one call of oneDNN on its packed copy of the
+  dequantised weight rounded to bf16, bf16(s_n q_nk), the bias added in the product (`WideBf16`, made
+  when first needed): x, the weight and the sum are each rounded to bf16 (relative u = 2^-8), so
+  |error| <= 3u·Σ_k |x_mk| s_n |q_nk| (to first order) on top of the weights' (each input's error
+  relative to itself, where 7-bit inputs' is relative to the row's largest), at bf16's speed, with no
+  conversion of q nor pass for the scales and the bias per call (an encoder kept in bf16 around them,
+  quantize_int8, has no conversion at all; BENCHMARKS.md, "Against CTranslate2 and ONNX Runtime").
+  Elsewhere they multiply by the dequantised weight, as in weight-only mode.
 - activations="float" (weight-only): x stays in floating point; for a few rows on a CPU PyTorch's
   `_weight_int8pack_mm` converts q inside the dot product (fast for bf16 inputs on CPUs with
   AVX-512), otherwise the product uses the dequantised weight s_n·q_nk. Without FBGEMM (GPU,
@@ -45,15 +47,13 @@ and rounding each input of row m by at most r_m·a / 2, so
     model = quantize_int8(model)     # in place: every nn.Linear (output layer included) -> Int8Linear
 
 Embedding tables stay as they are: a lookup reads one row per token, not the whole table (a frozen base
-under LoRA adapters, `--lora-int8`, has them int8 too: int8_embedding.py). With
-int8 activations on a CPU the rest of the model is converted to fp32, the dtype the kernels take
-and return, whatever the model's dtype was (quantize_int8); with weight-only int8 it keeps its dtype.
+under LoRA adapters, `--lora-int8`, has them int8 too: int8_embedding.py). With int8 activations on a
+CPU the rest of the model is converted to fp32, the dtype the kernels take and return, whatever the
+model's dtype was — except an encoder on a CPU with bf16 units, which runs in bf16 around its int8
+layers (quantize_int8); with weight-only int8 it keeps its dtype.
 """
 
 from __future__ import annotations
-
-import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +62,10 @@ from torch import Tensor, nn
 from ..devices import native_bf16
 from ..errors import ConfigError
 from ..kernels import gemv
-from ..model.linear import Plan
+from ..model.linear import packs
 from ..model.lora import LoRALinear, refuse_adapters
 from ..model.lora_adapter import lora_product
+from .int8_plans import Gemv8, Packed8, WideBf16, dynamic_int8_available
 
 ACTIVATIONS = ("int8", "float")
 # Past this many rows (long prompts, encoders) a product is compute-bound, and the int8 one is
@@ -89,51 +90,13 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-@functools.cache
-def dynamic_int8_available() -> bool:
-    """Whether this PyTorch build has FBGEMM's dynamic int8 linear (x86 CPUs); asked once (each
-    Int8Linear call checks it, 49 calls a GPT-2 token, and asking PyTorch each time cost measurable
-    time; BENCHMARKS.md, "Kernels")."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-class Packed8(Plan):
-    """FBGEMM's copy of q and the scales, in its own layout; valid while the int8 weight is the one
-    it was made for (a plain attribute: state_dict and deepcopy never see it)."""
-
-    def __init__(self, weight: Tensor, scales: Tensor):
-        super().__init__(weight, rows=0)
-        zero = torch.zeros(weight.size(0), dtype=torch.long)
-        with warnings.catch_warnings():          # PyTorch warns that quantized tensors are deprecated
-            warnings.simplefilter("ignore", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
-            self.packed = torch.ops.quantized.linear_prepack(qw, None)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)        # reduce_range: 7-bit inputs
-
-
-class Gemv8(Plan):
-    """tformer's int8 kernel (kernels/gemv_int8.c: 7-bit inputs by int8 weights, summed exactly in integers) on its
-    own copy of q and the scales (gemv.pack8), for decoding steps of up to KERNEL_ROWS rows: it
-    reads the weights faster than FBGEMM's call (BENCHMARKS.md, "Kernels"), and the fused GPT step
-    (fused.py) runs whole layers with it, without a Python call per product."""
-
-    def __init__(self, weight: Tensor, scales: Tensor):
-        super().__init__(weight, rows=0)
-        self.packed = gemv.pack8(weight, scales.float())
-        self.out_features = weight.size(0)
-
-    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        return gemv.gemv8(self.packed, x, bias, self.out_features)
-
-
 class Int8Linear(nn.Module):
     """A drop-in for nn.Linear holding int8 weights and one scale per output feature.
     forward(x (..., K)) -> (..., N) in x's dtype. `activations`: see the module docstring."""
 
     plan: Packed8 | None = None
     kernel: Gemv8 | None = None
+    wide: WideBf16 | None = None
 
     def __init__(self, linear: nn.Linear, activations: str = "int8"):
         super().__init__()
@@ -166,9 +129,11 @@ class Int8Linear(nn.Module):
         elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
-        elif rows > INT8_MAX_ROWS and self._integer_path(x) and native_bf16(x.device):
-            # Many rows, bf16 units: (x rounded to bf16) · q, q exact in bf16; then s_n in fp32.
-            y = F.linear(x2.bfloat16(), self.weight.bfloat16()).float().mul_(self.scales.float()).to(x.dtype)
+        elif rows > INT8_MAX_ROWS and self._integer_path(x) and native_bf16(x.device) and packs(torch.bfloat16):
+            # Many rows, bf16 units: (x rounded to bf16) · bf16(s_n q_nk) + b, in one call.
+            bias = None if self.bias is None else self.bias.bfloat16()
+            y = self.wide_plan()(x2.bfloat16(), bias).to(x.dtype)
+            return y.reshape(*shape[:-1], self.out_features)
         else:
             # Many rows: the weight, converted once, costs little against the product itself.
             y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])   # Σ_k x_k (s_n q_nk)
@@ -220,6 +185,11 @@ class Int8Linear(nn.Module):
             self.kernel = Gemv8(self.weight, self.scales)
         return self.kernel
 
+    def wide_plan(self) -> WideBf16:
+        if self.wide is None or not self.wide.made_for(self.weight):
+            self.wide = WideBf16(self.weight, self.scales)
+        return self.wide
+
     def _packed(self) -> Packed8:
         if self.plan is None or not self.plan.made_for(self.weight):
             self.plan = Packed8(self.weight, self.scales.float())
@@ -266,25 +236,42 @@ class Int8LoRALinear(LoRALinear):
                           "again changes the outputs, peft #2321); merge them on the fp32 base instead")
 
 
-def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8") -> nn.Module:
+def quantize_int8(model: nn.Module, skip: tuple[str, ...] = (), activations: str = "int8",
+                  dtype: torch.dtype | None = None) -> nn.Module:
     """Replace every nn.Linear in `model` (in place) by an Int8Linear, except those whose qualified
     name starts with one of `skip`. Returns the model. For inference only: Int8Linear has no
     trainable parameters.
 
-    With int8 activations on a CPU the model comes out in fp32 whatever its dtype was: each linear is
-    converted to fp32 before it is quantised (scales and biases in fp32; a bf16 or fp16 weight is exact
-    there), and the rest (embeddings, norms, skipped linears) after. The int8 kernels take and return
-    fp32, and the fused GPT step and the attention kernel read fp32 norms, biases and caches: a bf16
-    model kept in bf16 around its int8 layers would decode on none of them. A bf16 model thus gives the
-    very model its fp32 copy gives."""
+    With int8 activations on a CPU the rest of the model (embeddings, norms, skipped linears; the
+    int8 layers' scales and biases stay fp32) comes out in `dtype`, whatever its dtype was: each linear is
+    converted to fp32 before it is quantised (a bf16 or fp16 weight is exact there), the rest after.
+    dtype=None chooses:
+    - fp32 for a model that decodes (decoder, encoder-decoder) or any model on a CPU without bf16 units:
+      the int8 kernels take and return fp32, and the fused GPT step and the attention kernel read fp32
+      norms, biases and caches: a bf16 model kept in bf16 around its int8 layers would decode on none of them;
+    - bf16 for an encoder on a CPU with bf16 units: its products of many rows multiply in bf16 anyway
+      (WideBf16), and the rest in bf16 costs half, with no conversion around each product (all-MiniLM-L6-v2
+      on short texts: ~1.6x the sentences per second of the same model in fp32; BENCHMARKS.md, "Against
+      CTranslate2 and ONNX Runtime").
+    A bf16 model thus gives the very model its fp32 copy gives. With weight-only int8 (or off the CPU) the
+    model keeps its dtype (`dtype` is not used)."""
     refuse_adapters(model, "quantise", merged_ok=True)    # Int8Linear would keep W and drop the adapters
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(name.startswith(s) for s in skip)]
-    in_fp32 = activations == "int8" and all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    on_cpu = activations == "int8" and all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    if on_cpu and dtype is None:
+        encoder = getattr(model, "kind", None) == "encoder" and native_bf16(torch.device("cpu"))
+        dtype = torch.bfloat16 if encoder and packs(torch.bfloat16) else torch.float32
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if in_fp32:
+        if on_cpu:
             linear.float()                 # one layer at a time: the model is never held twice in fp32
         setattr(parent, child, Int8Linear(linear, activations))
-    return model.float() if in_fp32 else model
+    if not on_cpu:
+        return model
+    kept = [(m, m.scales, m.bias) for m in model.modules() if isinstance(m, Int8Linear)]
+    model.to(dtype)
+    for m, scales, bias in kept:             # fp32, as the kernels read them
+        m.scales, m.bias = scales, bias
+    return model
