@@ -64,24 +64,28 @@ class LearnedPositions(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE in the "rotate half" form used by Llama in Hugging Face: dimension i is paired with
-    i + head_dim/2, and each pair is rotated by angle pos * theta^(-2i/head_dim)."""
+    i + head_dim/2, and each pair is rotated by angle pos * theta^(-2i/head_dim):
+
+        y = x cos + rotate_half(x) sin,   rotate_half(x) = [-x₂, x₁] = roll(x, hd/2) ⊙ [-1, 1]
+
+    so the sign goes into a table (`signed_sin` = [-sin, sin]) and a step is a multiply, a roll and a
+    multiply-add: three passes over x where [-x₂, x₁] took five, forward and backward alike. The tables
+    are fp32; the rotation runs in x's dtype (bf16 under autocast or in a bf16 model), as HF's Llama
+    casts its cos and sin to the queries' dtype."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq  # (P, hd/2)
-        angles = torch.cat([angles, angles], dim=-1)                                    # (P, hd)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", torch.cat([angles, angles], dim=-1).cos().float(), persistent=False)
+        self.register_buffer("signed_sin", torch.cat([-angles, angles], dim=-1).sin().float(), persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x: (B, H, T, hd); positions: (T,) or (B, T)."""
-        cos, sin = self.cos[positions], self.sin[positions]                     # (T, hd) or (B, T, hd)
+        cos, sin = self.cos[positions].to(x.dtype), self.signed_sin[positions].to(x.dtype)   # (T, hd), (B, T, hd)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]                               # (B, 1, T, hd)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return (x * cos + rotated * sin).to(x.dtype)
+        return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
 
 
 def relative_bucket(relative_position: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
