@@ -61,7 +61,9 @@ class Gemv8(Plan):
 
 class WideBf16(Plan):
     """oneDNN's packed copy of the dequantised weight rounded to bf16, bf16(s_n q_nk), for inputs of more than
-    INT8_MAX_ROWS rows on a CPU with bf16 units (AMX, AVX-512 BF16): one call multiplies and adds the bias."""
+    INT8_MAX_ROWS rows on a CPU with bf16 units (AMX, AVX-512 BF16): one call multiplies and adds the bias.
+    It costs twice the int8 weight's memory, kept while the layer lives (as a packed fp32 plan costs a copy of
+    its weight), made only by the first input of that many rows (an encoder's batch, a long prompt)."""
 
     def __init__(self, weight: Tensor, scales: Tensor):
         super().__init__(weight, rows=0)
