@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tformer
-from tformer.inference.int8_plans import dynamic_int8_available
 from tformer.devices import native_bf16
 from tformer.inference import int8_plans
+from tformer.inference.int8_plans import dynamic_int8_available
 from tformer.inference.quant import INT8_MAX_ROWS, Int8Linear, quantize_int8
 from tformer.kernels import gemv
 
@@ -85,8 +85,10 @@ def test_an_int8_encoder_in_bf16_is_the_fp32_one_within_bf16s_rounding(monkeypat
     fp32 = KINDS["encoder"]().eval()
     chosen, in_fp32 = quantize_int8(copy.deepcopy(fp32)), quantize_int8(copy.deepcopy(fp32), dtype=torch.float32)
     assert {t.dtype for t in in_fp32.parameters()} == {torch.float32}
-    ints = lambda m: {k: v for k, v in m.state_dict().items() if not v.is_floating_point() or "scales" in k}
-    assert all(torch.equal(v, ints(in_fp32)[k]) for k, v in ints(chosen).items())
+    def int8_tensors(model):
+        return {k: v for k, v in model.state_dict().items() if not v.is_floating_point() or "scales" in k}
+
+    assert all(torch.equal(v, int8_tensors(in_fp32)[k]) for k, v in int8_tensors(chosen).items())
     calls = []
     original = int8_plans.WideBf16.__call__
     monkeypatch.setattr(int8_plans.WideBf16, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
