@@ -356,3 +356,21 @@ def test_separate_vocabulary_save_load_gives_identical_outputs(tmp_path):
     src, mask = source_batch()
     with torch.no_grad():
         assert torch.equal(again(src, ids(3, 5), mask), model(src, ids(3, 5), mask))
+
+
+@pytest.mark.parametrize("cls", [Decoder, Encoder, EncoderDecoder])
+def test_initialisation_scales_the_residual_projections_only_before_pre_norms(cls):
+    """N(0, 0.02) everywhere; the projections into the residual stream 0.02/sqrt(2 * layers) in a pre-norm
+    model (GPT-2's rule), unscaled in a post-norm one (BERT's, Marian's: the stream is normalised anyway)."""
+    for position in ("pre", "post"):
+        model = build(cls, d_model=128, d_ff=512, norm_position=position)
+        layers = 2 * (2 if cls is EncoderDecoder else 1)
+        residual = [p for n, p in model.named_parameters() if n.endswith(("out_proj.weight", "down.weight"))]
+        others = [p for n, p in model.named_parameters() if p.dim() == 2 and n.endswith(("q_proj.weight", "up.weight",
+                                                                                          "qkv_proj.weight"))]
+        assert residual and others
+        want = 0.02 / (2 * layers) ** 0.5 if position == "pre" else 0.02
+        for p in residual:
+            assert abs(p.std().item() - want) < 0.1 * want, (position, p.std().item(), want)
+        for p in others:
+            assert abs(p.std().item() - 0.02) < 0.002

@@ -46,15 +46,20 @@ def _relative_bias(cfg: ModelConfig, bidirectional: bool) -> RelativePositionBia
     return RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, bidirectional)
 
 
-def init_weights(model: nn.Module, n_layers: int) -> None:
-    """GPT-2 initialisation: N(0, 0.02) weights, zero biases; the projections that write into the
-    residual stream are scaled by 1/√(2·layers) so the stream's variance does not grow with depth."""
+def init_weights(model: nn.Module, n_layers: int, norm_position: str) -> None:
+    """N(0, 0.02) weights, zero biases, norms one. In a pre-norm model (GPT-2's initialisation) the
+    projections that write into the residual stream are scaled by 1/√(2·layers), so the stream's
+    variance does not grow with depth. A post-norm model normalises the stream after every sublayer,
+    so that scaling would only shrink each sublayer's update against the stream: it keeps N(0, 0.02)
+    throughout, as BERT and Marian do (a 2017-shaped translator learns ~0.2 nats slower in 600 steps
+    with the scaling; BENCHMARKS.md, "At equal steps")."""
+    scaled = norm_position == "pre"
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif p.dim() >= 2:
-            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("out_proj.weight", "down.weight")) else 0.02
-            nn.init.normal_(p, std=std)
+            residual = scaled and name.endswith(("out_proj.weight", "down.weight"))
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers) if residual else 0.02)
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(m.weight)
@@ -76,7 +81,7 @@ class Encoder(nn.Module):
         self.relative_bias = _relative_bias(cfg, bidirectional=True)
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
         if token_embedding is None:
-            init_weights(self, cfg.n_layers)
+            init_weights(self, cfg.n_layers, cfg.norm_position)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None,
                 return_attention: bool = False):
@@ -200,7 +205,7 @@ class Decoder(GenerationMixin, nn.Module):
         self.cfg = cfg
         self.stack = DecoderStack(cfg, cfg.n_layers, cross=False)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
-        init_weights(self, cfg.n_layers)
+        init_weights(self, cfg.n_layers, cfg.norm_position)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.stack.embed.token.weight
 
@@ -255,7 +260,7 @@ class EncoderDecoder(GenerationMixin, nn.Module):
                                     token_embedding=self.shared)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         self.output_scale = cfg.d_model ** -0.5 if cfg.output_scale else 1.0     # T5 v1.0 scales before its tied head
-        init_weights(self, cfg.n_layers + cfg.decoder_layers)
+        init_weights(self, cfg.n_layers + cfg.decoder_layers, cfg.norm_position)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.shared.weight
 
