@@ -1,0 +1,93 @@
+"""Variants of a task's model trained side by side with the Hugging Face peer: the same batches, optimizer
+set-up and schedule as benchmarks/equal_steps.py (its Side), no weight average; prints each arm's mean
+training loss over every 50 steps. For finding what makes one model learn more per step than another
+without scoring anything (the losses are of batches no arm has seen before).
+
+    python benchmarks/equal_steps_arms.py --task bible --steps 1000 --run 700 peer recipe \\
+        'post={"norm_position": "post"}' 'plain=|plain' 'fast=|lr1e-3'
+
+An arm is `peer`, `recipe` (the task's model), or NAME=FIELDS[|OPTIONS]: the recipe's model with the JSON
+ModelConfig FIELDS laid over it; OPTIONS (comma-separated): `plain` (every matrix N(0, 0.02), no residual
+scaling), `lrX` (peak learning rate X). `--steps` sets the schedule (warm-up + cosine), `--run` how many of its
+steps to train (default all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from equal_steps import Side, build  # noqa: E402
+from equal_steps_peers import CASES  # noqa: E402
+
+
+def plain_init(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            nn.init.normal_(p, std=0.02)
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            nn.init.ones_(m.weight)
+
+
+def arm(spec: str, case, task, cfg, seed: int) -> Side:
+    name, _, rest = spec.partition("=")
+    torch.manual_seed(seed)
+    if name == "peer":                       # initialised as equal_steps.pair initialises it
+        twin = task.build_model()
+        torch.manual_seed(seed)
+        return Side(name, case.peer(task, twin), task, cfg)
+    if name == "recipe":
+        return Side(name, task.build_model(), task, cfg)
+    fields, _, options = rest.partition("|")
+    model = type(task.build_model())(task.cfg.replace(**json.loads(fields or "{}")))
+    for option in filter(None, options.split(",")):
+        if option == "plain":
+            torch.manual_seed(seed)
+            plain_init(model)
+        elif option.startswith("lr"):
+            cfg = replace(cfg, lr=float(option[2:]))
+        else:
+            sys.exit(f"error: {spec}: unknown option {option!r} (plain, lrX)")
+    return Side(name, model, task, cfg)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("arms", nargs="+")
+    p.add_argument("--task", default="bible", choices=sorted(CASES))
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--run", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    case = CASES[a.task]
+    task, cfg = build(case, a.steps, a.seed, {})
+    cfg = replace(cfg, ema=0)
+    sides = [arm(spec, case, task, cfg, a.seed) for spec in a.arms]
+    for side in sides:
+        side.model.train()
+        print(f"{side.name}: {sum(q.numel() for q in side.model.parameters()):,} parameters, lr {side.cfg.lr:g}",
+              flush=True)
+    start = time.time()
+    for step in range(a.run or a.steps):
+        batch = task.batch(step, "train")
+        for side in sides:
+            side.step(step, batch)
+        if (step + 1) % 50 == 0:
+            losses = "  ".join(f"{s.name} {sum(s.losses[-50:]) / 50:.4f}" for s in sides)
+            print(f"step {step + 1}: {losses}  ({time.time() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
