@@ -47,18 +47,13 @@ def _relative_bias(cfg: ModelConfig, bidirectional: bool) -> RelativePositionBia
 
 
 def init_weights(model: nn.Module, n_layers: int, norm_position: str) -> None:
-    """N(0, 0.02) weights, zero biases, norms one. In a pre-norm model (GPT-2's initialisation) the
-    projections that write into the residual stream are scaled by 1/√(2·layers), so the stream's
-    variance does not grow with depth. A post-norm model normalises the stream after every sublayer,
-    so that scaling would only shrink each sublayer's update against the stream: it keeps N(0, 0.02)
-    throughout, as BERT and Marian do (a 2017-shaped translator learns ~0.2 nats slower in 600 steps
-    with the scaling; BENCHMARKS.md, "At equal steps")."""
-    scaled = norm_position == "pre"
+    """N(0, 0.02) weights, zero biases; before pre-norms (GPT-2) the projections into the residual stream /√(2·layers).
+    Post-norm (BERT, Marian) normalises the stream after each sublayer: scaling only slowed learning (BENCHMARKS.md)."""
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif p.dim() >= 2:
-            residual = scaled and name.endswith(("out_proj.weight", "down.weight"))
+            residual = norm_position == "pre" and name.endswith(("out_proj.weight", "down.weight"))
             nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers) if residual else 0.02)
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
