@@ -221,8 +221,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  activation="swiglu", bias=False),
     # The Bible translator's (`tformer train --task translate --data bible-en-es`): 3 + 3 layers of width 256,
     # the 2017 block (post-norm, sinusoidal positions added to embeddings x sqrt(d_model)) with a SwiGLU
-    # feed-forward. Per step it learns more than the same block with the FFN of 2017 (Marian's), which learns
-    # more than rotary positions or pre-norm give it (BENCHMARKS.md, "At equal steps").
+    # feed-forward: per step it learns more than HF's Marian of the same size; rotary positions or pre-norm
+    # made the same block learn less (BENCHMARKS.md, "At equal steps").
     "nmt-mini": dict(kind="encoder-decoder", d_model=256, n_heads=4, n_layers=3, n_decoder_layers=3, d_ff=704,
                      max_seq_len=256, norm_position="post", positional="sinusoidal", embed_scale=True,
                      activation="swiglu", dropout=0.0),
