@@ -28,17 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from equal_steps import Side, build  # noqa: E402
 from equal_steps_peers import CASES  # noqa: E402
+from tformer.model.models import init_weights  # noqa: E402
 
 
 def plain_init(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif p.dim() >= 2:
-            nn.init.normal_(p, std=0.02)
-    for m in model.modules():
-        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            nn.init.ones_(m.weight)
+    """Every matrix N(0, 0.02), no residual scaling: tformer's initialisation of a post-norm model."""
+    init_weights(model, 1, "post")
 
 
 def arm(spec: str, case, task, cfg, seed: int) -> Side:
