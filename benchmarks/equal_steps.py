@@ -49,7 +49,9 @@ from equal_steps_peers import CASES, PARAM_TOLERANCE, Case, digest, items, score
 
 
 def params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Trained parameters: not a frozen table (HF Marian's sinusoidal positions, a pretrained model's frozen
+    embeddings; tformer computes sinusoidal positions and freezes the same embeddings)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def batch_bytes(batch: dict[str, torch.Tensor]) -> bytes:

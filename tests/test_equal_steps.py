@@ -65,8 +65,8 @@ def test_both_sides_see_the_same_batches_and_test_items(name, seed):
 
 @pytest.mark.parametrize("name", ["sentiment", "hamlet", "numbers"])
 def test_the_peer_has_the_recipe_models_shape(name):
-    """Same width, depth, heads and vocabulary as the model the recipe builds, and the parameter count within
-    PARAM_TOLERANCE (the pretrained cases load the same MiniLM on both sides)."""
+    """Same width, depth, heads and vocabulary as the model the recipe builds, and the count of trained
+    parameters within PARAM_TOLERANCE (the pretrained cases load the same MiniLM on both sides)."""
     case = CASES[name]
     task = fresh_task(case, 10, 0)
     ours = task.build_model()
@@ -74,5 +74,4 @@ def test_the_peer_has_the_recipe_models_shape(name):
     cfg, hf = ours.cfg, peer.config
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.vocab_size) == \
         (cfg.d_model, cfg.n_layers, cfg.n_heads, task.tokenizer.vocab_size)
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    assert abs(count(peer) / count(ours) - 1) <= PARAM_TOLERANCE
+    assert abs(equal_steps.params(peer) / equal_steps.params(ours) - 1) <= PARAM_TOLERANCE
