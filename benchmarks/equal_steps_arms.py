@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from equal_steps import Side, build  # noqa: E402
 from equal_steps_peers import CASES, items  # noqa: E402
+from tformer.checkpoints.format import build as build_model  # noqa: E402
 from tformer.model.models import init_weights  # noqa: E402
 
 
@@ -40,13 +41,10 @@ def plain_init(model: nn.Module) -> None:
 
 
 def variant(model: nn.Module, fields: dict) -> nn.Module:
-    """A fresh model of `model`'s class (and labels, pooling) on its ModelConfig with `fields` laid over it."""
-    cfg = model.cfg.replace(**fields)
-    if hasattr(model, "pooling"):                                  # EncoderClassifier
-        return type(model)(cfg, model.num_labels, model.labels, model.pooling)
-    if hasattr(model, "num_labels"):                               # EncoderTokenClassifier
-        return type(model)(cfg, model.num_labels, model.labels)
-    return type(model)(cfg)
+    """A fresh model of `model`'s class (and labels, pooling) on its ModelConfig with `fields` laid over it,
+    built as a checkpoint's config.json describes one (checkpoints.format.build)."""
+    return build_model({"architecture": type(model).__name__, "config": model.cfg.replace(**fields).to_dict(),
+                        **{k: getattr(model, k) for k in ("num_labels", "labels", "pooling") if hasattr(model, k)}})
 
 
 def arm(spec: str, case, task, cfg, seed: int) -> Side:
