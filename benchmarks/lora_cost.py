@@ -26,7 +26,8 @@ so load from other processes hits all alike; figures are medians over rounds (ra
 file (lora_state_dict saved with safetensors, as checkpoints/adapter.py writes adapter_model.safetensors)
 against the model's model.safetensors (`tformer.save`), and peft's adapter_model.safetensors.
 
-    .venv/bin/python benchmarks/lora_cost.py [--repeats 3] [--warmup 2] [--steps 8] [--json out.json]
+    .venv/bin/python benchmarks/lora_cost.py [--repeats 3] [--warmup 2] [--steps 8] [--precision bf16]
+        [--activation-checkpointing] [--json out.json]
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def settle() -> float:
 
 # --- worker: one arm in this process --------------------------------------------------------------
 
-def build(arm: str, hf_dir: str):
+def build(arm: str, hf_dir: str, recompute: bool = False):
     """(model, loss_of) for `arm`, with its trainable parameters set: loss_of(model, x, y) is the mean cross
-    entropy of labels y (B, T) as each library trains."""
+    entropy of labels y (B, T) as each library trains. `recompute`: activation checkpointing of every layer
+    (tformer's `--activation-checkpointing`, HF's gradient_checkpointing_enable, both non-reentrant)."""
     import torch
     import torch.nn.functional as F
 
@@ -85,6 +87,8 @@ def build(arm: str, hf_dir: str):
         from transformers import GPT2LMHeadModel
 
         model = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32)
+        if recompute:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if arm == "peft":
             from peft import LoraConfig, get_peft_model
 
@@ -93,6 +97,7 @@ def build(arm: str, hf_dir: str):
         return model.train(), lambda m, x, y: F.cross_entropy(
             m(input_ids=x, use_cache=False).logits.float().flatten(0, 1), y.flatten())
     import tformer
+    from tformer.model.layers import checkpoint_activations
     from tformer.model.lora import apply_lora
 
     model = tformer.from_hf(hf_dir)
@@ -102,13 +107,14 @@ def build(arm: str, hf_dir: str):
         quantize_base(model)
     if arm in ("lora", "int8"):
         apply_lora(model, r=R, alpha=ALPHA, targets=("qkv",))
+    checkpoint_activations(model, recompute)
     return model.train(), lambda m, x, y: m(x, labels=y)
 
 
-def worker(arm: str, work: str, warmup: int, steps: int, precision: str = "fp32") -> dict:
+def worker(arm: str, work: str, warmup: int, steps: int, precision: str = "fp32", recompute: bool = False) -> dict:
     import torch
 
-    model, loss_of = build(arm, str(Path(work) / "hf"))
+    model, loss_of = build(arm, str(Path(work) / "hf"), recompute)
     out = {"arm": arm, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "params": sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())}
     out["load_peak_mb"] = peak_rss_mb()               # ru_maxrss before the reset: loading's peak
@@ -175,6 +181,7 @@ def prepare(work: Path) -> int:
 def run_arm(arm: str, work: Path, opts) -> dict:
     cmd = [sys.executable, __file__, "--worker", arm, "--work", str(work),
            "--warmup", str(opts.warmup), "--steps", str(opts.steps), "--precision", opts.precision]
+    cmd += ["--activation-checkpointing"] * opts.activation_checkpointing
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{arm} failed:\n{done.stderr[-3000:]}")
@@ -210,6 +217,10 @@ def main() -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: every arm's forward and loss under torch.autocast(bfloat16), as `tformer train "
                         "--precision bf16` and HF's Trainer(bf16=True) run them (default fp32)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="every arm recomputes its layers in the backward (tformer's --activation-checkpointing; "
+                        "HF's gradient checkpointing for peft's model), as QLoRA recipes train (peft's "
+                        "prepare_model_for_kbit_training turns it on by default)")
     p.add_argument("--json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -218,7 +229,8 @@ def main() -> None:
         print(json.dumps({"model_bytes": prepare(Path(opts.work))}), flush=True)
         return
     if opts.worker:
-        print(json.dumps(worker(opts.worker, opts.work, opts.warmup, opts.steps, opts.precision)), flush=True)
+        print(json.dumps(worker(opts.worker, opts.work, opts.warmup, opts.steps, opts.precision,
+                                opts.activation_checkpointing)), flush=True)
         return
     # The driver imports no torch: a child's ru_maxrss starts at its parent's peak (kept across fork + exec).
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,6 +269,7 @@ def main() -> None:
         "peft_over_lora_step": med["peft"]["step_s"] / med["lora"]["step_s"],
     }
     result = {"machine": machine(), "precision": opts.precision,
+              "activation_checkpointing": opts.activation_checkpointing,
               "shape": {"layers": LAYERS, "width": WIDTH, "heads": HEADS,
               "vocab": VOCAB, "context": CONTEXT, "batch": BATCH, "seq": SEQ, "r": R, "alpha": ALPHA},
               "repeats": opts.repeats, "warmup": opts.warmup, "steps": opts.steps, "model_bytes": model_bytes,

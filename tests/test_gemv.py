@@ -187,8 +187,8 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     """Each build the CPU can run (an AVX-512 CPU runs both) gives the product, fp32 and bf16 (whose
     blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), the
     screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two), and the int8 product bit for
-    bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same), and a
-    GPT's fused step as its layers give it."""
+    bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same), RMSNorm
+    and its gradients as PyTorch's, and a GPT's fused step as its layers give it."""
     if not _runs(cpu):
         pytest.skip(f"this CPU cannot run the {cpu} build")
     torch.manual_seed(1)
@@ -216,6 +216,15 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
                     assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
         for x, expected in zip(int8_x, int8_here or []):
             assert torch.equal(gemv.gemv8(gemv.pack8(q, scales), x, None, 37), expected)
+        for d in (37, 128):                              # RMSNorm for training: a vector tail, whole vectors
+            x, w, g = torch.randn(5, d), torch.randn(d), torch.randn(5, d)
+            y, r = gemv.rms_norm(x, w, 1e-6)
+            dx, dw = gemv.rms_norm_grad(x, w, r, g)
+            xr = x.requires_grad_()
+            expected = F.rms_norm(xr, (d,), w.requires_grad_(), 1e-6)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+            for ours, theirs in zip((dx, dw), torch.autograd.grad(expected, (xr, w), g)):
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
         model = gpt(d_ff=520)                            # GPT-2's GELU (tanh) in vectors, and a tail of 8
         for rows in (1, 3):
             ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))

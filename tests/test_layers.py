@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tformer.kernels import gemv
 from tformer.model.config import ModelConfig
 from tformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
 from tformer.model.masks import causal_mask, combine, padding_mask
@@ -136,6 +137,37 @@ def test_norm_choices_by_hand():
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
     torch.testing.assert_close(ln(x), (x - mean) / torch.sqrt(var + 1e-12), atol=1e-5, rtol=1e-5)
     assert make_norm(ModelConfig(d_model=D, n_heads=H, bias=False)).bias is None
+
+
+@pytest.mark.skipif(not gemv.available(), reason="tformer's kernel library is not built here")
+@pytest.mark.parametrize("shape", [(16, 128, 128), (3, 5, 37), (1, 8), (7, 771), (2, 0, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rmsnorm_kernel_trains_as_the_formula(shape, threads):
+    """Training through tformer's RMSNorm kernel (kernels/rmsnorm.c): the output and both gradients of
+    the formula in float64, on widths that are and are not whole vectors, one or more rows a thread."""
+    torch.manual_seed(len(shape) + shape[-1])
+    d = shape[-1]
+    x = (torch.randn(*shape) * 3 + 1).requires_grad_()
+    norm = make_norm(ModelConfig(d_model=d, n_heads=1, norm="rmsnorm", norm_eps=1e-6))
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d))
+    g = torch.randn(*shape)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert gemv.rms_norm(x.detach(), norm.weight.detach(), 1e-6) is not None     # the kernel takes them
+        y = norm(x)
+        dx, dw = torch.autograd.grad(y, (x, norm.weight), g)
+    finally:
+        torch.set_num_threads(before)
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    y64 = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), g.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():                                                # not training: PyTorch's own
+        assert torch.equal(norm(x), F.rms_norm(x, (d,), norm.weight, 1e-6))
 
 
 # --- positional encodings -----------------------------------------------------------------------

@@ -300,7 +300,7 @@ def test_each_option_is_defined_once_and_its_flag_derived():
 
     assert resume_rule(TrainOptions, ONCE) == {"stop_at", "progress", "device"}
     assert resume_rule(TrainOptions, CHANGE) == {"max_steps", "time_budget", "save_every", "eval_every",
-                                                 "log_every", "keep", "skip_nonfinite"}
+                                                 "log_every", "keep", "skip_nonfinite", "activation_checkpointing"}
     args = vars(build_parser().parse_args(["train", "--out", "x"]))
     assert {f.name for f in fields(ClassifyOptions)} - {"beta1", "beta2"} <= set(args)
     assert all(args[f.name] is None for f in fields(ClassifyOptions) if f.name in args and f.name != "out")

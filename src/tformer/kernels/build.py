@@ -19,6 +19,7 @@ PyTorch's kernels (gemv.available); `status()` says which, for `tformer info` an
     gemv_int8.c   int8 weights by 7-bit rows, summed exactly in integers (gemv.gemv8)
     attend.c      decoding attention: every row and head in one call (gemv.attend)
     gpt_step.c    a pre-LN GPT's whole decoding step, built from the above (gemv.gpt_step)
+    rmsnorm.c     RMSNorm's forward and backward for training, one pass each (gemv.rms_norm)
     simd.h        the vectors they share (AVX-512 or AVX2);  kernels.h: the functions one calls in another
 """
 
@@ -218,6 +219,8 @@ FUNCTIONS = {
     "tformer_gpt_step": ([PTR, I64, PTR] + [I64] * 8 + [FLOAT, I64, FLOAT, PTR], None),
     "tformer_argmax_bf16": ([PTR] * 5 + [FLOAT] + [I64] * 3 + [PTR] * 2, ctypes.c_int),   # ...; r; M, N, K; rough, best
     "tformer_bf16_paired": ([], ctypes.c_int),
+    "tformer_rmsnorm": ([PTR] * 4 + [I64] * 2 + [FLOAT], None),            # x, w, y, r; rows, d; eps
+    "tformer_rmsnorm_grad": ([PTR] * 6 + [I64] * 3, None),                 # x, w, r, g, dx, dw parts; rows, d, threads
 }
 
 

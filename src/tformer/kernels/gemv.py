@@ -12,8 +12,9 @@ Where the library cannot run `available()` is False and linear.py keeps oneDNN's
 The same library holds a bf16 variant (`pack(w, torch.bfloat16)`: half the bytes) and greedy decoding's
 argmax through it (`argmax_bf16`, for linear.Gemv.argmax; gemv_bf16.c), an int8 product (`gemv8` on
 `pack8(q, scales)`, for quant.Int8Linear; gemv_int8.c), decoding attention (`attend`: every row and head
-in one call; attend.c), and a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep;
-gpt_step.c).
+in one call; attend.c), a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep;
+gpt_step.c), and RMSNorm's forward and backward for training (`rms_norm`, `rms_norm_grad`, for
+layers.RMSNorm; rmsnorm.c).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from torch import Tensor
 from .build import function, unsupported
 
 __all__ = ["PLAN_ROWS", "BLOCK", "HUGE_PAGE", "MAX_HEAD", "MAX_KEYS", "available", "unsupported", "huge_page_empty",
-           "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "gpt_step"]
+           "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "gpt_step",
+           "rms_norm", "rms_norm_grad"]
 
 CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
@@ -196,3 +198,27 @@ def gpt_step(table: Tensor, x: Tensor, heads: int, kv_heads: int, head_dim: int,
     scratch = torch.empty(floats + m * (max(d, heads * head_dim, ffn) + 3) // 4 + 1, dtype=torch.float32)
     function("tformer_gpt_step")(table.data_ptr(), table.size(0), x.data_ptr(), m, d, heads, kv_heads, head_dim,
                                  ffn, max_len, pos, eps, act, scale, scratch.data_ptr())
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+    """x (..., d) fp32, weight (d,) fp32 -> (x / rms(x) · weight, each row's 1 / rms (rows,) for the backward);
+    None where the kernel does not take these inputs (it is not built, or another dtype or device)."""
+    kernel = function("tformer_rmsnorm")
+    if kernel is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    x = x.contiguous()
+    d = x.size(-1)
+    y, r = torch.empty_like(x), torch.empty(x.numel() // max(d, 1), dtype=torch.float32)
+    kernel(x.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), d, eps)
+    return y, r
+
+
+def rms_norm_grad(x: Tensor, weight: Tensor, r: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of rms_norm's output, g (like x), as (dL/dx like x, dL/dweight (d,)); x, weight and r as
+    rms_norm took and gave them (the kernel built)."""
+    x, g, d = x.contiguous(), g.contiguous().float(), x.size(-1)
+    threads = max(1, min(torch.get_num_threads(), r.numel()))
+    dx, parts = torch.empty_like(x), torch.zeros(threads, d, dtype=torch.float32)
+    function("tformer_rmsnorm_grad")(x.data_ptr(), weight.contiguous().data_ptr(), r.data_ptr(), g.data_ptr(),
+                                     dx.data_ptr(), parts.data_ptr(), r.numel(), d, threads)
+    return dx, parts.sum(dim=0)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from ..kernels import gemv
 from .attention import MultiHeadAttention
 from .config import ModelConfig
 from .dropout import Dropout
@@ -22,9 +25,42 @@ from .linear import Linear
 from .masks import Packing
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm by tformer's kernel (kernels/rmsnorm.c): one pass forward, one backward, keeping x and each
+    row's 1 / rms."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        y, r = gemv.rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, weight, r = ctx.saved_tensors
+        dx, dw = gemv.rms_norm_grad(x, weight, r, g)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` (same parameters and state dict) that trains through tformer's kernel where it is built,
+    on fp32 CPU tensors: PyTorch's CPU RMSNorm is a composite of five ops forward and more backward, ~3x
+    LayerNorm's time (BENCHMARKS.md, "Demo"). Elsewhere (no kernel, other dtypes or devices, sharded weights,
+    torch.compile, no gradients) PyTorch's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (torch.is_grad_enabled() and self.weight is not None and x.dtype == torch.float32 == self.weight.dtype
+                and type(x) is Tensor and type(self.weight.data) is Tensor and x.device.type == "cpu"
+                and len(self.normalized_shape) == 1 and x.numel() > 0 and not torch.compiler.is_compiling()
+                and gemv.available()):
+            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+            return RMSNormFunction.apply(x, self.weight, eps)
+        return super().forward(x)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -94,7 +130,30 @@ def self_attention(cfg: ModelConfig, rotary: nn.Module | None = None) -> MultiHe
                               rotary=rotary, head_dim=cfg.head_dim, scaled=cfg.attention_scale)
 
 
-class EncoderLayer(nn.Module):
+class Block(nn.Module):
+    """A layer of a stack. Once `checkpoint_activations` has set `checkpointed`, a training forward with
+    gradients keeps only the layer's inputs and runs the layer again in the backward to get the rest
+    (activation checkpointing, HF's "gradient checkpointing"): a layer's activations live one layer at a
+    time, for about one more forward pass of compute. Dropout draws the same masks both times (the RNG
+    state is replayed)."""
+
+    checkpointed = False
+
+    def __call__(self, *args, **kwargs):
+        if self.checkpointed and self.training and torch.is_grad_enabled():
+            return checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def checkpoint_activations(model: nn.Module, on: bool = True) -> nn.Module:
+    """Recompute every layer of `model` in the backward instead of keeping its activations (see `Block`)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.checkpointed = on
+    return model
+
+
+class EncoderLayer(Block):
     """Self-attention over the whole sequence, then the FFN, each wrapped in a residual + norm."""
 
     def __init__(self, cfg: ModelConfig, rotary: nn.Module | None = None):
@@ -121,7 +180,7 @@ class EncoderLayer(nn.Module):
         return x, weights
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Block):
     """Masked (causal) self-attention, then — in an encoder-decoder — attention to the encoder
     output (Q from the decoder, K and V from the encoder), then the FFN; each with residual + norm."""
 

@@ -180,6 +180,9 @@ class TrainConfig:
         False, "torch.compile the model with its loss: one to two minutes of compiling (C++, needs a compiler), "
         "then faster steps (a Bible step: 1.2x in fp32) (default: on for translate on bible-en-es, "
         "off elsewhere)", action=argparse.BooleanOptionalAction, flag_default=None)
+    activation_checkpointing: bool = option(
+        False, "keep each layer's inputs only and recompute the rest in the backward (HF's gradient checkpointing): "
+        "far less memory for activations, about one more forward pass of time", resume=CHANGE, action="store_true")
     progress: bool = option(True, "no progress bar", resume=ONCE, flag="--no-progress", action="store_false")
     # LoRA (tformer.model.lora): train low-rank adapters on a frozen base; checkpoints hold the adapter only
     lora_r: int | None = option(None, "train LoRA adapters of this rank on the frozen model (--init's, typically); "

@@ -22,6 +22,7 @@ from ..checkpoints.layout import EMA as EMA_FILE
 from ..checkpoints.layout import OPTIMIZER, RNG, checkpoint_dir
 from ..data.files import micro_batches, varying_dims
 from ..devices import cxx_compiler, native_bf16, pick_device
+from ..model.layers import checkpoint_activations
 from .config import Task, TrainConfig, run_defaults
 from .distributed import Dist, full_optimizer_tensors, gather_model, grad_sync, shard_like, wrap
 from .ema import EMA
@@ -70,6 +71,7 @@ class Trainer:
             if cfg.ema and (ckpt / EMA_FILE).is_file():
                 ema_saved = read_safetensors(ckpt / EMA_FILE)
         self.plain = model_to_train(self.task, cfg, self.run_dir, ckpt).to(self.device)   # with --lora-r: adapters
+        checkpoint_activations(self.plain, cfg.activation_checkpointing)
         if cfg.ema:
             self.ema = EMA(self.plain, cfg.ema, ema_saved)
         self.model = wrap(self.plain, self.dist, self.device, cfg.fsdp)
