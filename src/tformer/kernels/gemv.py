@@ -206,19 +206,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | N
     kernel = function("tformer_rmsnorm")
     if kernel is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    x = x.contiguous()
-    d = x.size(-1)
+    x, weight, d = x.contiguous(), weight.contiguous(), x.size(-1)              # kept alive through the call
     y, r = torch.empty_like(x), torch.empty(x.numel() // max(d, 1), dtype=torch.float32)
-    kernel(x.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), d, eps)
+    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), r.data_ptr(), r.numel(), d, eps)
     return y, r
 
 
 def rms_norm_grad(x: Tensor, weight: Tensor, r: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of rms_norm's output, g (like x), as (dL/dx like x, dL/dweight (d,)); x, weight and r as
     rms_norm took and gave them (the kernel built)."""
-    x, g, d = x.contiguous(), g.contiguous().float(), x.size(-1)
+    x, weight, g, d = x.contiguous(), weight.contiguous(), g.contiguous().float(), x.size(-1)
     threads = max(1, min(torch.get_num_threads(), r.numel()))
     dx, parts = torch.empty_like(x), torch.zeros(threads, d, dtype=torch.float32)
-    function("tformer_rmsnorm_grad")(x.data_ptr(), weight.contiguous().data_ptr(), r.data_ptr(), g.data_ptr(),
+    function("tformer_rmsnorm_grad")(x.data_ptr(), weight.data_ptr(), r.data_ptr(), g.data_ptr(),
                                      dx.data_ptr(), parts.data_ptr(), r.numel(), d, threads)
     return dx, parts.sum(dim=0)
