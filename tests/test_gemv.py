@@ -16,7 +16,7 @@ from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
 from tformer.kernels import build, gemv
 from tformer.model import linear, plans
-from tformer.model.linear import Gemv, Linear, Packed
+from tformer.model.linear import Gemv, Linear
 from tformer.model.plans import plan_decoding
 
 needs_kernel = pytest.mark.skipif(build.unsupported() is not None, reason=f"gemv: {build.unsupported()}")
@@ -72,40 +72,78 @@ def test_gemv_plan_for_decoding_steps_runs_prompts_too(monkeypatch):
 
 @needs_kernel
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
-@pytest.mark.parametrize("kernel_faster", [True, False])
-def test_above_plan_rows_a_timed_pass_chooses_the_kernel_or_onednn(monkeypatch, tmp_path, kernel_faster):
+@pytest.mark.parametrize("fastest", ["F.linear", "Packed", "Gemv"])
+def test_a_timed_pass_gives_each_kind_of_layer_its_fastest_plan(monkeypatch, tmp_path, fastest):
     monkeypatch.setenv("TFORMER_PLANS", "timed")
-    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))                # the choice is kept here (plans.json)
-    monkeypatch.setattr(plans, "GEMV_LIMITS", {})
-    timed = []
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))                # the choices are kept here (plans.json)
+    monkeypatch.setattr(plans, "CHOICES", {})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)         # no Split: 1024 and 2048 outputs / 3
+    rounds = []
 
-    def fake(layers, rows):                        # which plans ran a pass: seconds made up
-        kinds = {type(m.plan).__name__ for m in layers}
-        timed.append(kinds)
-        return {"Gemv": 1.0 if kernel_faster else 3.0, "Packed": 2.0}[min(kinds)]
+    def fake(calls, rows):                        # which plans ran a pass: seconds made up
+        rounds.append({(group, name) for group, name, *_ in calls})
+        for _, _, product, w, b in calls:         # each candidate computes the product
+            x = torch.randn(rows, w.size(1))
+            torch.testing.assert_close(product(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        made_up = {"F.linear": 2.0, "Packed": 3.0, "Gemv": 4.0, fastest: 1.0}
+        return {group: made_up[name] for group, name, *_ in calls}
 
-    monkeypatch.setattr(plans, "pass_time", fake)
+    monkeypatch.setattr(plans, "pass_times", fake)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048), Linear(64, 64))   # two large, one tiny
-    assert plan_decoding(model, 16) == 2
-    assert timed == [{"Packed"}, {"Gemv"}]                        # the rule's plans, then the kernel's, once
-    want = Gemv if kernel_faster else Packed
-    assert isinstance(model[0].plan, want) and isinstance(model[1].plan, want) and model[2].plan is None
+    model = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048), Linear(1024, 1024), Linear(64, 64))
+    assert plan_decoding(model, 16) == (0 if fastest == "F.linear" else 3)
+    assert len(rounds) == 3 and {kind for r in rounds for _, kind in r} == {"F.linear", "Packed", "Gemv"}
+    assert all(len({kind for _, kind in r}) == 1 for r in rounds)        # a round: every group on one candidate
+    want = plans.NAMES[fastest]
+    assert all(type(m.plan) is type(None) if want is None else isinstance(m.plan, want) for m in model[:3])
+    assert model[3].plan is None                                         # tiny: F.linear, untimed
     x = torch.randn(16, 1024)
     with torch.no_grad():
         torch.testing.assert_close(model[1](x), F.linear(x, model[1].weight, model[1].bias), atol=1e-4, rtol=1e-5)
     again = torch.nn.Sequential(Linear(1024, 1024), Linear(1024, 2048))
-    assert plan_decoding(again, 16) == 2 and len(timed) == 2       # the same shapes: decided once
-    monkeypatch.setattr(plans, "GEMV_LIMITS", {})                 # another process reads the per-user cache
-    assert plan_decoding(again, 16) == 2 and len(timed) == 2 and isinstance(again[0].plan, want)
-    assert list(json.loads((tmp_path / "plans.json").read_text()).values()) == [16 if kernel_faster else 8]
-    assert plan_decoding(model, gemv.PLAN_ROWS) == 2 and len(timed) == 2 and isinstance(model[0].plan, Gemv)
+    assert plan_decoding(again, 16) == (0 if want is None else 2) and len(rounds) == 3   # decided once per shape
+    monkeypatch.setattr(plans, "CHOICES", {})                          # another process reads the per-user cache
+    plan_decoding(again, 16)
+    assert len(rounds) == 3 and (again[0].plan is None if want is None else isinstance(again[0].plan, want))
+    stored = json.loads((tmp_path / "plans.json").read_text())
+    assert sorted(stored.values()) == [fastest, fastest] and all("|16|float32|" in k for k in stored)
+    assert plan_decoding(model, gemv.PLAN_ROWS) == 3 and isinstance(model[0].plan, Gemv)   # <= 8 rows: the kernel
+    assert len(rounds) == 3
 
 
 @needs_kernel
-def test_a_pass_time_is_a_real_duration():
-    layers = [Linear(256, 64), Linear(64, 256)]
-    assert 0 < plans.pass_time(layers, 4) < 1
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built in")
+def test_real_timings_choose_among_the_candidates_and_every_choice_computes_the_product(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFORMER_PLANS", "timed")
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(plans, "CHOICES", {})
+    torch.manual_seed(0)
+    for dtype, rows in ((torch.float32, 12), (torch.bfloat16, 1), (torch.bfloat16, 12)):
+        model = torch.nn.Sequential(Linear(512, 768), Linear(768, 512)).to(dtype)
+        plan_decoding(model, rows)
+        for m in model:
+            kind = plans.NAMES[plans.CHOICES[plans.key_of(m, rows)]]
+            assert len(m.candidates(rows)) > 1 and kind in m.candidates(rows)
+            assert m.plan is None if kind is None else type(m.plan) is kind
+            x = torch.randn(rows, m.in_features).to(dtype)
+            with torch.no_grad():
+                want = F.linear(x.double(), m.weight.double(), m.bias.double())
+                tol = 1e-4 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(m(x).double(), want, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_the_bf16_kernel_plan_multiplies_within_bf16_rounding():
+    torch.manual_seed(0)
+    w, b = (torch.randn(300, 256) * 0.05).bfloat16(), torch.randn(300).bfloat16()
+    plan = linear.GemvBf16(w, 4)
+    for shape in ((1, 256), (4, 256), (2, 3, 256), (0, 256)):
+        x = torch.randn(shape).bfloat16()
+        exact = F.linear(x.double(), w.double(), b.double())
+        y = plan(x, b)
+        assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+        # each product exact in fp32, the sum in fp32, then one rounding to bf16 (8 bits): |error| <= 2^-8 |y| + sums
+        assert ((y.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-4).all()
 
 
 @needs_kernel

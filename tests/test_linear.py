@@ -257,3 +257,16 @@ def test_ctranslate2_imported_after_torch_is_one_warning_line(monkeypatch, capsy
     devices.warn_once.cache_clear()
     plan_decoding(layer(64, 64), 1)
     assert capsys.readouterr().err == ""
+
+
+def test_a_stored_choice_this_process_cannot_run_keeps_the_rule(monkeypatch, tmp_path):
+    """plans.json, written where the kernel was built, names it; here it is not built: the rule, not a crash,
+    and no timing again."""
+    monkeypatch.setenv("TFORMER_PLANS", "timed")
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    m = Linear(1024, 2048)
+    monkeypatch.setattr(plans, "CHOICES", {plans.key_of(m, 16): "Gemv"})
+    monkeypatch.setattr(plans, "kind_times", lambda *a: pytest.fail("timed again"))
+    plan_decoding(m, 16)
+    rule = m.kind_of_plan(16)
+    assert rule is not linear.Gemv and (m.plan is None if rule is None else type(m.plan) is rule)

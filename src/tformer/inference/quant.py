@@ -225,7 +225,7 @@ class Int8LoRALinear(LoRALinear):
             y = adapter.add_to(y, x)
         return y
 
-    def make_plan(self, rows: int, pack: bool = True, gemv_rows: int | None = None) -> None:
+    def make_plan(self, rows: int, kind: type | None) -> None:
         return None                              # the base plans its own products
 
     def argmax(self, x: Tensor) -> None:

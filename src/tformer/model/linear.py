@@ -5,7 +5,9 @@ for decoding on a CPU. Each decoding step multiplies a few rows (one per sequenc
 matrix once, so its speed is how fast the kernel reads the weights. PyTorch's default CPU kernels
 for so few rows (MKL's matrix-vector and small-M products) use one core here and read fp32 weights
 at about half of what memory delivers (`python benchmarks/gemv_bandwidth.py`; BENCHMARKS.md,
-"Kernels"). The remedies, chosen per layer by `plans.plan_decoding(model, rows)`, which generate() calls:
+"Kernels"). The remedies below; `plans.plan_decoding(model, rows)`, which generate() calls, gives each kind of
+layer the one that runs it fastest on this CPU, timed once (or, with TFORMER_PLANS=rules, the rule each
+bullet states: Linear.kind_of_plan):
 
 - gemv (fp32 matrices from mid size, steps of up to 8 rows, where tformer's own kernel is built:
   AVX-512 or AVX2 CPUs, gemv.py): a copy of the weight packed for the kernel (in 2 MiB pages), read at the
@@ -18,6 +20,8 @@ at about half of what memory delivers (`python benchmarks/gemv_bandwidth.py`; BE
 - split (mid-sized fp32 matrices where the kernel is not built): the output features are cut into
   one slice per thread and the slices run as one batched product (`torch.bmm`), which PyTorch
   spreads over the threads.
+- gemv on bf16 weights (GemvBf16, a bf16 model where the kernel is built): never by rule; where the timing
+  finds it faster than oneDNN's packed bf16 (at a few rows on Intel AMX).
 - neither for small matrices (under SPLIT_MIN weights): F.linear is fastest there.
 
 A plan is used only when gradients are off, for inputs of at most MAX_ROWS rows (a gemv or packed
@@ -150,6 +154,24 @@ class Gemv(Plan):
         return gemv.argmax_bf16(self.screen, self.packed, self.slack, x, bias, rounding, self.weight.size(0))
 
 
+class GemvBf16(Plan):
+    """tformer's kernel on a bf16 weight (its bf16 blocks, widened to fp32 inside: each product exact in fp32),
+    for decoding steps of a bf16 model of up to MAX_ROWS rows: the input widened to fp32, the output rounded to
+    bf16, as F.linear in bf16 rounds its own. Chosen only by timing (plans.py): at one row it read GPT-2's
+    weights ~10% faster than oneDNN's packed bf16 on Intel AMX, and lost from 8 rows."""
+
+    def __init__(self, weight: Tensor, rows: int):
+        super().__init__(weight, rows)
+        self.packed = gemv.pack(weight.detach(), torch.bfloat16)
+        self.out_features = weight.size(0)
+
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if x.numel() == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        y = gemv.gemv(self.packed, x.reshape(-1, x.size(-1)).float(), bias, self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 class Linear(nn.Linear):
     """nn.Linear that follows its decoding plan (see the module docstring) when one is usable."""
 
@@ -170,28 +192,49 @@ class Linear(nn.Linear):
             return plan.argmax(x.contiguous(), self.bias)
         return None
 
-    def kind_of_plan(self, rows: int = 1, gemv_rows: int | None = None) -> type[Plan] | None:
-        """Which plan pays for this weight on this machine, for products of about `rows` rows (None: F.linear);
-        large fp32 matrices take tformer's kernel up to `gemv_rows` rows (plan_decoding times it)."""
+    def kind_of_plan(self, rows: int = 1) -> type[Plan] | None:
+        """The rule (TFORMER_PLANS=rules; plans.py times the candidates instead): which plan pays for this weight,
+        for products of about `rows` rows (None: F.linear), as measured on Zen 3, Zen 4 and Intel AMX."""
         w, threads = self.weight, torch.get_num_threads()
-        gemv_rows = gemv.PLAN_ROWS if gemv_rows is None else gemv_rows
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.is_inference():
+        if not self.plannable():
             return None
-        if (w.dtype == torch.float32 and w.numel() >= SPLIT_MIN and (rows <= gemv_rows or w.numel() < PACK_MIN)
-                and gemv.available()):
+        if w.dtype == torch.float32 and (rows <= gemv.PLAN_ROWS or w.numel() < PACK_MIN) and gemv.available():
             return Gemv
-        if (SPLIT_MIN <= w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
+        if (w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
                 and w.size(0) % threads == 0):
             return Split
-        if w.numel() >= SPLIT_MIN and packs(w.dtype):
-            return Packed
-        return None
+        return Packed if packs(w.dtype) else None
 
-    def make_plan(self, rows: int, pack: bool = True, gemv_rows: int | None = None) -> Plan | None:
-        """Make the plan for products with about `rows` rows, or keep a valid one; `pack=False`
-        leaves layers that would be packed on F.linear (no extra copy of the weight)."""
-        w, old, kind = self.weight, self.plan, self.kind_of_plan(rows, gemv_rows)
-        if old is not None and old.rows == rows and type(old) is kind and old.made_for(w):
+    def plannable(self) -> bool:
+        """A CPU weight in fp32 or bf16 of at least SPLIT_MIN elements (smaller ones: F.linear is fastest)."""
+        w = self.weight
+        return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and not w.is_inference()
+                and w.numel() >= SPLIT_MIN)
+
+    def candidates(self, rows: int) -> list[type[Plan] | None]:
+        """The plans that can run this weight here, for plans.py to time (None: F.linear). An fp32 weight at
+        decoding steps of up to gemv.PLAN_ROWS rows, where tformer's kernel is built, keeps the kernel untimed:
+        the fused GPT step (inference/fused.py) and the exact greedy argmax (Gemv.argmax) read its copy,
+        gains a product's timing does not see."""
+        w = self.weight
+        if not self.plannable():
+            return [None]
+        if w.dtype == torch.float32 and rows <= gemv.PLAN_ROWS and gemv.available():
+            return [Gemv]
+        kinds: list[type[Plan] | None] = [None]
+        if w.dtype == torch.float32 and torch.get_num_threads() > 1 and w.is_contiguous() and (
+                w.size(0) % torch.get_num_threads() == 0):
+            kinds.append(Split)
+        if packs(w.dtype):
+            kinds.append(Packed)
+        if gemv.available():
+            kinds.append(Gemv if w.dtype == torch.float32 else GemvBf16)
+        return kinds
+
+    def make_plan(self, rows: int, kind: type[Plan] | None) -> Plan | None:
+        """Make a plan of `kind` (None: F.linear) for products of about `rows` rows, or keep a valid one."""
+        old = self.plan
+        if old is not None and old.rows == rows and type(old) is kind and old.made_for(self.weight):
             return old
-        self.plan = kind(w, rows) if kind is Split or (kind is not None and pack) else None
+        self.plan = None if kind is None else kind(self.weight, rows)
         return self.plan

@@ -78,13 +78,13 @@ class LoRALinear(Linear):
     def base_grad(self, g: Tensor) -> Tensor:
         return g.mm(self.weight.to(g.dtype))               # dL/dx = g W (M, K); g is bf16 under autocast
 
-    def make_plan(self, rows: int, pack: bool = True, gemv_rows: int | None = None) -> Plan | None:
+    def make_plan(self, rows: int, kind: type[Plan] | None) -> Plan | None:
         if self.merged or not self.lora:
-            return super().make_plan(rows, pack, gemv_rows)
+            return super().make_plan(rows, kind)
         # Plan W as Linear does (keeping a plan still valid), then move it to where only forward looks.
         self.plan, self.base_plan = self.base_plan, None
         try:
-            return super().make_plan(rows, pack, gemv_rows)
+            return super().make_plan(rows, kind)
         finally:
             self.base_plan, self.plan = self.plan, None
 

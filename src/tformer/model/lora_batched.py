@@ -130,11 +130,11 @@ class StackedLoRALinear(Linear):
             y = stack.add_to(y, x, rows)
         return y
 
-    def make_plan(self, rows: int, pack: bool = True, gemv_rows: int | None = None) -> Plan | None:
+    def make_plan(self, rows: int, kind: type[Plan] | None) -> Plan | None:
         # Plan W as Linear does (keeping a plan still valid), then move it to where only forward looks.
         self.plan, self.base_plan = self.base_plan, None
         try:
-            return super().make_plan(rows, pack, gemv_rows)
+            return super().make_plan(rows, kind)
         finally:
             self.base_plan, self.plan = self.plan, None
 
