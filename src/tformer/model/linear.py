@@ -157,8 +157,8 @@ class Gemv(Plan):
 class GemvBf16(Plan):
     """tformer's kernel on a bf16 weight (its bf16 blocks, widened to fp32 inside: each product exact in fp32),
     for decoding steps of a bf16 model of up to MAX_ROWS rows: the input widened to fp32, the output rounded to
-    bf16, as F.linear in bf16 rounds its own. Chosen only by timing (plans.py): at one row it read GPT-2's
-    weights ~10% faster than oneDNN's packed bf16 on Intel AMX, and lost from 8 rows."""
+    bf16, as F.linear in bf16 rounds its own. Chosen only by timing (plans.py): at one row it ran GPT-2's layer
+    matrices faster than oneDNN's packed bf16 on Intel AMX (decoding 1.01-1.08x), and lost from 8 rows."""
 
     def __init__(self, weight: Tensor, rows: int):
         super().__init__(weight, rows)
@@ -195,13 +195,12 @@ class Linear(nn.Linear):
     def kind_of_plan(self, rows: int = 1) -> type[Plan] | None:
         """The rule (TFORMER_PLANS=rules; plans.py times the candidates instead): which plan pays for this weight,
         for products of about `rows` rows (None: F.linear), as measured on Zen 3, Zen 4 and Intel AMX."""
-        w, threads = self.weight, torch.get_num_threads()
+        w = self.weight
         if not self.plannable():
             return None
         if w.dtype == torch.float32 and (rows <= gemv.PLAN_ROWS or w.numel() < PACK_MIN) and gemv.available():
             return Gemv
-        if (w.numel() < PACK_MIN and w.dtype == torch.float32 and threads > 1 and w.is_contiguous()
-                and w.size(0) % threads == 0):
+        if w.numel() < PACK_MIN and self.splittable():
             return Split
         return Packed if packs(w.dtype) else None
 
@@ -210,6 +209,11 @@ class Linear(nn.Linear):
         w = self.weight
         return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and not w.is_inference()
                 and w.numel() >= SPLIT_MIN)
+
+    def splittable(self) -> bool:
+        """Whether Split can run this weight: fp32, row-major, its outputs cut evenly over more than one thread."""
+        w, threads = self.weight, torch.get_num_threads()
+        return w.dtype == torch.float32 and threads > 1 and w.is_contiguous() and w.size(0) % threads == 0
 
     def candidates(self, rows: int) -> list[type[Plan] | None]:
         """The plans that can run this weight here, for plans.py to time (None: F.linear). An fp32 weight at
@@ -222,8 +226,7 @@ class Linear(nn.Linear):
         if w.dtype == torch.float32 and rows <= gemv.PLAN_ROWS and gemv.available():
             return [Gemv]
         kinds: list[type[Plan] | None] = [None]
-        if w.dtype == torch.float32 and torch.get_num_threads() > 1 and w.is_contiguous() and (
-                w.size(0) % torch.get_num_threads() == 0):
+        if self.splittable():
             kinds.append(Split)
         if packs(w.dtype):
             kinds.append(Packed)
