@@ -270,3 +270,28 @@ def test_a_stored_choice_this_process_cannot_run_keeps_the_rule(monkeypatch, tmp
     plan_decoding(m, 16)
     rule = m.kind_of_plan(16)
     assert rule is not linear.Gemv and (m.plan is None if rule is None else type(m.plan) is rule)
+
+
+@needs_mkldnn
+def test_plan_encoding_packs_only_the_kinds_a_timed_pass_finds_faster_packed(monkeypatch, tmp_path):
+    monkeypatch.setenv("TFORMER_PLANS", "timed")
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path))
+    monkeypatch.setattr(plans, "CHOICES", {})
+    rounds = []
+
+    def fake(calls, rows):                        # made up: packed wins for 512 x 256, F.linear for 256 x 512
+        assert rows == plans.ENCODE_ROWS
+        rounds.append(sorted({name for _, name, *_ in calls}))
+        return {group: (1.0 if (name == "Packed") == ("(512, 256)" in group) else 2.0) for group, name, *_ in calls}
+
+    monkeypatch.setattr(plans, "pass_times", fake)
+    model = nn.Sequential(Linear(256, 512), Linear(512, 256), Linear(256, 512))
+    assert plan_encoding(model) == 2
+    assert rounds == [["F.linear"], ["Packed"]]                     # the two candidates, every kind in each pass
+    assert isinstance(model[0].plan, Packed) and isinstance(model[2].plan, Packed) and model[1].plan is None
+    x = torch.randn(3, 7, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), F.linear(F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                               model[1].weight, model[1].bias),
+                                                      model[2].weight, model[2].bias), atol=1e-4, rtol=1e-5)
+    assert plan_encoding(model) == 2 and len(rounds) == 2                  # decided once

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..devices import available_memory, warn_shared_openmp
 from ..kernels import build
-from .linear import MAX_ROWS, SPLIT_MIN, Gemv, GemvBf16, Linear, Packed, Plan, Split, packs
+from .linear import MAX_ROWS, Gemv, GemvBf16, Linear, Packed, Plan, Split, packs
 
 COPIES = (Packed, Gemv, GemvBf16)         # the plans that hold a copy of their weight
 
@@ -45,12 +45,18 @@ def plan_decoding(model: nn.Module, rows: int) -> int:
 def plan_encoding(model: nn.Module) -> int:
     """Plan every Linear of `model` for whole texts (an encoder's batches: from one short text to thousands of
     tokens, any number of rows): oneDNN's packed weights, where it packs their dtype and the matrix is large
-    enough to pay (SPLIT_MIN). On a Zen 4, all-MiniLM-L6-v2's products on batches of short texts run at ~125
-    GFLOP/s through F.linear (MKL) and ~180 packed: 1.3x the sentences per second (BENCHMARKS.md, "Against
-    CTranslate2 and ONNX Runtime"). Valid plans are kept; skipped when the copies would take more than half of
-    the memory still available. Returns how many layers have a packed plan."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"
-              and m.weight.numel() >= SPLIT_MIN and not m.weight.is_inference() and packs(m.weight.dtype)]
+    enough to pay (SPLIT_MIN), and where a timed pass (`timed_kinds`, at ENCODE_ROWS rows) finds them faster
+    than F.linear for that kind of layer on this CPU. On a Zen 4, all-MiniLM-L6-v2's products on batches of short
+    texts run at ~125 GFLOP/s through F.linear (MKL) and ~180 packed: 1.3x the sentences per second
+    (BENCHMARKS.md, "Against CTranslate2 and ONNX Runtime"). Valid plans are kept; skipped when the copies would
+    take more than half of the memory still available. Returns how many layers have a packed plan."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.plannable() and packs(m.weight.dtype)]
+    if measuring():                          # where F.linear multiplies these shapes faster here, it keeps them
+        unpacked = {m for m, kind in timed_kinds(layers, ENCODE_ROWS, lambda m: [None, Packed]).items()
+                    if kind is None}
+        for m in unpacked:
+            m.plan = None
+        layers = [m for m in layers if m not in unpacked]
     fresh = [m for m in layers if not (isinstance(m.plan, Packed) and m.plan.rows == ENCODE_ROWS
                                        and m.plan.made_for(m.weight))]
     available = available_memory()
@@ -83,7 +89,9 @@ def key_of(m: Linear, rows: int) -> str:
     return f"{this_cpu()}|{torch.get_num_threads()}|{rows}|{str(w.dtype).removeprefix('torch.')}|{tuple(w.shape)}"
 
 
-def timed_kinds(layers: list[Linear], rows: int) -> dict[Linear, type[Plan] | None]:
+def timed_kinds(layers: list[Linear], rows: int,
+                candidates: Callable[[Linear], list[type[Plan] | None]] | None = None
+                ) -> dict[Linear, type[Plan] | None]:
     """For every layer with more than one candidate plan (Linear.candidates), the plan that ran its kind of
     layer (dtype and shape) fastest on this CPU at `rows` rows, timed once and kept in the per-user cache
     (plans.json) by CPU, threads, rows, dtype and shape. Every kind is timed in the same passes, each layer
@@ -91,25 +99,28 @@ def timed_kinds(layers: list[Linear], rows: int) -> dict[Linear, type[Plan] | No
     not from the cache, where plans that differ in how fast they stream tie. Where it differs from the rule
     (BENCHMARKS.md, "Plans chosen by timing"): at 16 rows the kernel for GPT-2's large fp32 matrices (Zen 4: a
     decoding step 54 -> 43 ms; Intel AMX: 1.07-1.10x the tokens/s), at one row tformer's bf16 kernel for a bf16
-    GPT-2's layer matrices (Intel AMX: 1.01-1.08x)."""
+    GPT-2's layer matrices (Intel AMX: 1.01-1.08x). `candidates`: the plans to time for a layer (default
+    Linear.candidates)."""
+    candidates = candidates or (lambda m: m.candidates(rows))
     groups: dict[str, list[Linear]] = {}
     for m in layers:
-        if len(m.candidates(rows)) > 1:
+        if len(candidates(m)) > 1:
             groups.setdefault(key_of(m, rows), []).append(m)
     if any(k not in CHOICES for k in groups):
         CHOICES.update(read_choices())
     pending = {k: ms for k, ms in groups.items() if k not in CHOICES}
     if pending:
-        times = kind_times(layers, pending, rows)
+        times = kind_times(layers, pending, rows, candidates)
         for k, by_kind in times.items():
             CHOICES[k] = min(by_kind, key=by_kind.get)
         write_choices()
     # A choice read from plans.json that cannot run here (the kernel not built in this process) keeps the rule.
     return {m: NAMES[CHOICES[k]] for k, ms in groups.items() for m in ms
-            if k in CHOICES and NAMES[CHOICES[k]] in m.candidates(rows)}
+            if k in CHOICES and NAMES[CHOICES[k]] in candidates(m)}
 
 
-def kind_times(layers: list[Linear], groups: dict[str, list[Linear]], rows: int) -> dict[str, dict[str, float]]:
+def kind_times(layers: list[Linear], groups: dict[str, list[Linear]], rows: int,
+               candidates: Callable[[Linear], list[type[Plan] | None]]) -> dict[str, dict[str, float]]:
     """{group: {plan name: seconds of its products at `rows` rows}}. What is timed: from each group, in the
     model's order (`layers`), its weights up to an equal share of TIMED_BYTES (a matrix larger than the share,
     an output layer, is cut to its first output rows: a product streams its weight row block by row block, and
@@ -128,18 +139,18 @@ def kind_times(layers: list[Linear], groups: dict[str, list[Linear]], rows: int)
         keep = min(w.size(0), max(step, (share - held[k]) // (w.size(1) * w.element_size()) // step * step))
         units.append((k, w[:keep], None if m.bias is None else m.bias.detach()[:keep]))
         held[k] += keep * w.size(1) * w.element_size()
-    candidates = {k: ms[0].candidates(rows) for k, ms in groups.items()}
+    kinds = {k: candidates(ms[0]) for k, ms in groups.items()}
     names = {kind: name for name, kind in NAMES.items()}
     times: dict[str, dict[str, float]] = {k: {} for k in groups}
     calls: list[tuple[str, str, Callable, Tensor, Tensor | None]] = [(k, "", F.linear, w, b) for k, w, b in units]
-    for r in range(max(map(len, candidates.values()))):
+    for r in range(max(map(len, kinds.values()))):
         for i, (k, _, _, w, b) in enumerate(calls):
-            if r < len(candidates[k]):
-                kind = candidates[k][r]
+            if r < len(kinds[k]):
+                kind = kinds[k][r]
                 calls[i] = (k, names[kind], F.linear if kind is None else unweighted(kind(w, rows)), w, b)
         for k, t in pass_times(calls, rows).items():
-            if r < len(candidates[k]):
-                times[k][names[candidates[k][r]]] = t
+            if r < len(kinds[k]):
+                times[k][names[kinds[k][r]]] = t
     return times
 
 
