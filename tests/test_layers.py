@@ -9,7 +9,7 @@ from torch import nn
 
 from tformer.kernels import gemv
 from tformer.model.config import ModelConfig
-from tformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, make_norm
+from tformer.model.layers import ACTIVATIONS, DecoderLayer, EncoderLayer, FeedForward, make_norm
 from tformer.model.masks import causal_mask, combine, padding_mask
 from tformer.model.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions, sinusoidal_table
 
@@ -168,6 +168,36 @@ def test_rmsnorm_kernel_trains_as_the_formula(shape, threads):
     torch.testing.assert_close(dw.double(), dw64, rtol=1e-5, atol=1e-4)
     with torch.no_grad():                                                # not training: PyTorch's own
         assert torch.equal(norm(x), F.rms_norm(x, (d,), norm.weight, 1e-6))
+
+
+@pytest.mark.skipif(not gemv.available(), reason="tformer's kernel library is not built here")
+@pytest.mark.parametrize("n", [4 * 128 * 3072, 37, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gelu_tanh_kernel_as_the_formula(n, threads):
+    """GPT-2's GELU by tformer's kernel (kernels/gelu.c), forward and backward: within a few fp32 ulps of
+    the formula in float64 — closer than PyTorch's own fp32 tanh GELU, whose error bounds the test —
+    on lengths that are and are not whole vectors, and where e^(-2u) is huge or tiny (|x| up to 90)."""
+    torch.manual_seed(n)
+    x = torch.cat([torch.randn(n) * 4, torch.tensor([0.0, -20.0, 20.0, -90.0, 90.0, -5.0, 1e-30])])
+    x = x.requires_grad_()                                                       # n + 7: a tail past the vectors
+    g = torch.randn_like(x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert gemv.gelu_tanh(x.detach()) is not None                            # the kernel takes it
+        y = ACTIVATIONS["gelu_tanh"](x)
+        (dx,) = torch.autograd.grad(y, x, g)
+        y_torch = F.gelu(x, approximate="tanh")
+        (dx_torch,) = torch.autograd.grad(y_torch, x, g)
+    finally:
+        torch.set_num_threads(before)
+    x64 = x.detach().double().requires_grad_()
+    y64 = 0.5 * x64 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    scale = y64.abs().clamp(min=1)
+    assert ((y.double() - y64).abs() / scale).max() <= max(2e-7, ((y_torch.double() - y64).abs() / scale).max())
+    assert (dx.double() - dx64).abs().max() <= max(1e-6, (dx_torch.double() - dx64).abs().max())
+    assert y.grad_fn is not None and "GeluTanh" in type(y.grad_fn).__name__     # through the kernel
 
 
 # --- positional encodings -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ PyTorch's kernels (gemv.available); `status()` says which, for `tformer info` an
     attend.c      decoding attention: every row and head in one call (gemv.attend)
     gpt_step.c    a pre-LN GPT's whole decoding step, built from the above (gemv.gpt_step)
     rmsnorm.c     RMSNorm's forward and backward for training, one pass each (gemv.rms_norm)
+    gelu.c        GELU (tanh's approximation) forward and backward, one pass each (gemv.gelu_tanh)
     simd.h        the vectors they share (AVX-512 or AVX2);  kernels.h: the functions one calls in another
 """
 
@@ -221,6 +222,8 @@ FUNCTIONS = {
     "tformer_bf16_paired": ([], ctypes.c_int),
     "tformer_rmsnorm": ([PTR] * 4 + [I64] * 2 + [FLOAT], None),            # x, w, y, r; rows, d; eps
     "tformer_rmsnorm_grad": ([PTR] * 6 + [I64] * 3, None),                 # x, w, r, g, dx, dw parts; rows, d, threads
+    "tformer_gelu_tanh": ([PTR] * 2 + [I64], None),                        # x, y; n
+    "tformer_gelu_tanh_grad": ([PTR] * 3 + [I64], None),                   # x, g, dx; n
 }
 
 

@@ -13,8 +13,9 @@ The same library holds a bf16 variant (`pack(w, torch.bfloat16)`: half the bytes
 argmax through it (`argmax_bf16`, for linear.Gemv.argmax; gemv_bf16.c), an int8 product (`gemv8` on
 `pack8(q, scales)`, for quant.Int8Linear; gemv_int8.c), decoding attention (`attend`: every row and head
 in one call; attend.c), a GPT's whole decoding step built from these (`gpt_step`, for fused.GPTStep;
-gpt_step.c), and RMSNorm's forward and backward for training (`rms_norm`, `rms_norm_grad`, for
-layers.RMSNorm; rmsnorm.c).
+gpt_step.c), RMSNorm's forward and backward for training (`rms_norm`, `rms_norm_grad`, for
+layers.RMSNorm; rmsnorm.c) and GELU's with tanh's approximation (`gelu_tanh`, `gelu_tanh_grad`, for
+layers.gelu_tanh; gelu.c).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .build import function, unsupported
 
 __all__ = ["PLAN_ROWS", "BLOCK", "HUGE_PAGE", "MAX_HEAD", "MAX_KEYS", "available", "unsupported", "huge_page_empty",
            "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "gpt_step",
-           "rms_norm", "rms_norm_grad"]
+           "rms_norm", "rms_norm_grad", "gelu_tanh", "gelu_tanh_grad"]
 
 CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
@@ -221,3 +222,23 @@ def rms_norm_grad(x: Tensor, weight: Tensor, r: Tensor, g: Tensor) -> tuple[Tens
     function("tformer_rmsnorm_grad")(x.data_ptr(), weight.data_ptr(), r.data_ptr(), g.data_ptr(),
                                      dx.data_ptr(), parts.data_ptr(), r.numel(), d, threads)
     return dx, parts.sum(dim=0)
+
+
+def gelu_tanh(x: Tensor) -> Tensor | None:
+    """GELU with tanh's approximation of x (fp32, CPU), as F.gelu(x, approximate="tanh") within a few ulps;
+    None where the kernel does not take x (it is not built, or another dtype or device)."""
+    kernel = function("tformer_gelu_tanh")
+    if kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    x = x.contiguous()                                                           # kept alive through the call
+    y = torch.empty_like(x)
+    kernel(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def gelu_tanh_grad(x: Tensor, g: Tensor) -> Tensor:
+    """dL/dx of gelu_tanh(x) given dL/dy = g (like x); x as gelu_tanh took it (the kernel built)."""
+    x, g = x.contiguous(), g.contiguous().float()
+    dx = torch.empty_like(x)
+    function("tformer_gelu_tanh_grad")(x.data_ptr(), g.data_ptr(), dx.data_ptr(), x.numel())
+    return dx

@@ -31,20 +31,10 @@ static void layer_norm(const float *x, const float *w, const float *b, float *y,
     }
 }
 
-/* GELU (tanh) = 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = √(2/π) (x + 0.044715 x³): one exp, in
- * vectors (tanhf one value at a time took a measurable share of GPT-2's token; BENCHMARKS.md, "Kernels");
- * the rest one value at a time. */
+/* GELU (tanh): gelu.c's, in place. */
 static void activate(float *h, int64_t n, int act) {
     if (act == 1) {
-        const int64_t vectors = n / LANES;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < vectors; i++) {
-            vec x = vload(h + LANES * i);
-            vec u = vmul(vmul(x, vset1(-2.0f * 0.7978845608028654f)), vfmadd(vmul(x, x), vset1(0.044715f), vset1(1.0f)));
-            vstore(h + LANES * i, vdiv(x, vadd(vset1(1.0f), vexp(u))));
-        }
-        for (int64_t i = LANES * vectors; i < n; i++)
-            h[i] = h[i] / (1.0f + expf(-2.0f * 0.7978845608028654f * h[i] * (1.0f + 0.044715f * h[i] * h[i])));
+        gelu_tanh(h, h, n);
         return;
     }
 #pragma omp parallel for schedule(static)

@@ -26,4 +26,7 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
                     const int32_t *lineage, int64_t lsb, float *out, int64_t B, int64_t H, int64_t H_kv, int64_t T_k, int64_t hd,
                     int64_t copies, int64_t kv_bf16, float scale);
 
+/* gelu.c: y = GELU(x) with tanh's approximation, n values (y may be x) */
+HIDDEN void gelu_tanh(const float *x, float *y, int64_t n);
+
 #endif

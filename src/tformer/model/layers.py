@@ -64,9 +64,34 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+class GeluTanhFunction(torch.autograd.Function):
+    """GELU (tanh's approximation) by tformer's kernel (kernels/gelu.c): one pass forward, one backward,
+    keeping x, as PyTorch's does."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return gemv.gelu_tanh(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return gemv.gelu_tanh_grad(x, g)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GPT-2's "gelu_new": F.gelu(x, approximate="tanh"), by tformer's kernel on fp32 CPU tensors where it is
+    built (PyTorch's CPU tanh GELU takes ~3x its erf GELU's time, forward and backward: a GPT-2-small training
+    step spends ~4% in it; BENCHMARKS.md, "LoRA"), else PyTorch's."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and type(x) is Tensor and x.numel() > 0
+            and not torch.compiler.is_compiling() and gemv.available()):
+        return GeluTanhFunction.apply(x)
+    return F.gelu(x, approximate="tanh")
+
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),   # GPT-2's "gelu_new"
+    "gelu_tanh": gelu_tanh,   # GPT-2's "gelu_new"
     "relu": F.relu,
     "silu": F.silu,
 }

@@ -119,6 +119,10 @@ class Dense:
       block's rows, a CPU's fp32 GEMM computes W hᵀ about a third faster than h Wᵀ (measured on Zen 4, one
       and two threads); the softmax reads the view as it would a (m, V) tensor, and dL/dz W takes it as it
       is. In bf16 the two are as fast and dL/dz W is slower from the view: z = h Wᵀ, autocast's F.linear.
+    - in fp32, every block's logits are written into one buffer, allocated for the first block: a fresh
+      (m, V) tensor a block is fresh pages from the system each time (glibc hands blocks this large back on
+      free), and their first touches cost the product a sixth of its time (Intel AMX, 128 rows: ~30 ms of a
+      GPT-2-small LoRA step's ~1.2 s; benchmarks/lora_cost.py).
     - under autocast, W (and b) converted to its dtype once, where autocast would convert a frozen W again
       for each block's product and gradient (it keeps only the casts of weights that train)."""
 
@@ -127,12 +131,17 @@ class Dense:
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         self.weight = head.weight.detach().to(dtype or head.weight.dtype)
         self.bias = None if head.bias is None else head.bias.detach().to(self.weight.dtype)
+        self.buffer: Tensor | None = None                                        # fp32: the blocks' logits
 
     def base_product(self, x: Tensor) -> Tensor:
+        """(m, V) logits, in fp32 a view of the buffer: valid until the next block's product."""
         x = x.to(self.weight.dtype)
         if self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        z = self.weight.mm(x.t()).t()                                            # (m, V), stored (V, m)
+        size = x.size(0) * self.out_features
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = x.new_empty(size)
+        z = torch.mm(self.weight, x.t(), out=self.buffer[:size].view(self.out_features, -1)).t()  # stored (V, m)
         return z if self.bias is None else z.add_(self.bias)
 
     def base_grad(self, g: Tensor) -> Tensor:

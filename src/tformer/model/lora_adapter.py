@@ -12,7 +12,8 @@ adds s_i B_i A_i x_i into y in place, outside autograd, and the backward compute
 gradient g (M, N) and g_i = g[:, rows of adapter i]:
 
     dL/dx   = g W  (the base's `base_grad`)  +  Σ_i (s_i g_i B_i) A_i      (into dL/dx_i where x_i is not x)
-    dL/dA_i = (s_i g_i B_i)ᵀ x_i            dL/dB_i = (s_i g_i)ᵀ (A_i x_i)ᵀ
+    dL/dA_i = (s_i g_i B_i)ᵀ x_i            dL/dB_i = (s_i g_i)ᵀ (A_i x_i)ᵀ  (computed as ((x_i A_iᵀ)ᵀ g_i)ᵀ s_i:
+                                             the (r, rows) product, ~2.5x faster on a CPU's BLAS)
     dL/dW   = gᵀ x,  dL/db = Σ_m g_m        (only where the base's weight trains: LoRALinear)
 
 keeping x_i and h_i = x_i A_iᵀ (M, r) only: no copy of the input or the output. The forward's values are
@@ -102,7 +103,7 @@ class LoRAFunction(torch.autograd.Function):
             if needs[4 + n + 2 * i]:
                 g_ab[2 * i] = gh.t().mm(xi)                                      # (r, K)
             if needs[5 + n + 2 * i]:
-                g_ab[2 * i + 1] = gd.t().mm(hs[i]).mul_(scaling)                 # (rows, r)
+                g_ab[2 * i + 1] = hs[i].t().mm(gd).t().mul_(scaling)             # (rows, r), as (h_iᵀ g_i)ᵀ
             if inputs[i] is None and gx is not None:
                 gx.addmm_(gh, a)
             elif inputs[i] is not None and needs[4 + i]:
