@@ -34,6 +34,46 @@ def reference(path, prompt: str, max_tokens: int, dtype=None) -> str:
     return tok.decode(out[1:] if model.is_encoder_decoder else out[src.size(1):])
 
 
+def reference_ids(path, prompt: str, max_tokens: int, dtype=None) -> list[int]:
+    """reference()'s tokens as ids (its text drops special tokens, which a random model may emit)."""
+    model, tok = tformer.load(path, dtype=dtype), char_tokenizer()
+    src = torch.tensor([tok.encode(prompt) + ([tok.eos_id] if model.is_encoder_decoder else [])])
+    out = model.generate(src, max_new_tokens=max_tokens, eos_token_id=[])[0]
+    return (out[1:] if model.is_encoder_decoder else out[src.size(1):]).tolist()
+
+
+def served_ids(logprobs) -> list[int]:
+    """The ids of a completion asked with logprobs and return_tokens_as_token_ids ("token_id:{id}")."""
+    assert all(t.startswith("token_id:") for t in logprobs.tokens)
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+# bf16: a product's rounding can depend on how many rows share it, which a crowd's timing decides, so a served
+# token may differ from generate()'s where the model's two best tokens are this close (log-probabilities).
+BF16_TIE = 0.05
+
+
+def assert_greedy(path, prompt: str, got: list[int], dtype=None) -> None:
+    """The served greedy tokens `got` equal model.generate's on the prompt alone. In bf16 a token may differ
+    at a near tie only: each served token is, for the reference model fed the served tokens before it (one
+    forward pass), within BF16_TIE of that position's best, so after a tie the rest must still be greedy."""
+    expected = reference_ids(path, prompt, len(got), dtype)
+    if got == expected or dtype is None:
+        assert got == expected
+        return
+    model, tok = tformer.load(path, dtype=dtype), char_tokenizer()
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        if model.is_encoder_decoder:
+            start = model.cfg.decoder_start()
+            logits = model(torch.tensor([ids + [tok.eos_id]]), torch.tensor([[start] + got[:-1]]))[0]
+        else:
+            logits = model(torch.tensor([ids + got]))[0, len(ids) - 1:-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    gaps = logp.max(dim=-1).values - logp[torch.arange(len(got)), torch.tensor(got)]
+    assert gaps.max() <= BF16_TIE, (got, expected, gaps.tolist())
+
+
 def concurrently(fn, items):
     with ThreadPoolExecutor(len(items)) as pool:
         return list(pool.map(fn, items))
@@ -50,9 +90,13 @@ def test_greedy_equals_generate_for_concurrent_mixed_prompts(kind, dtype, decode
         assert {p.dtype for p in app.state.tformer.served.model.parameters()} == {dtype or torch.float32}
         c = client(base)
         got = concurrently(lambda i: c.completions.create(model=path.name, prompt=PROMPTS[i], max_tokens=lengths[i],
-                                                          temperature=0), range(len(PROMPTS)))
+                                                          temperature=0, logprobs=0,
+                                                          extra_body={"return_tokens_as_token_ids": True}),
+                           range(len(PROMPTS)))
     for i, r in enumerate(got):
-        assert r.choices[0].text == reference(path, PROMPTS[i], lengths[i], dtype), i
+        assert_greedy(path, PROMPTS[i], served_ids(r.choices[0].logprobs), dtype)
+        if dtype is None:
+            assert r.choices[0].text == reference(path, PROMPTS[i], lengths[i])
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == lengths[i]
         n_prompt = len(char_tokenizer().encode(PROMPTS[i])) + (kind == "encoder-decoder")   # + the source's EOS
@@ -81,6 +125,21 @@ def test_batched_prompts_n_echo_and_logprobs(decoder, decoder_server):
                                                                                                    abs=1e-4)
         ids.append(int(expected.argmax()))
     assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_tokens_as_token_ids(decoder, decoder_server):
+    """vLLM's return_tokens_as_token_ids: with logprobs, each token and top_logprobs key is "token_id:{id}",
+    the ids generate() gives (special tokens included, whose text is empty), the best alternative the token."""
+    base, _ = decoder_server
+    c, ids = client(base), reference_ids(decoder, "to be", 12)
+    r = c.completions.create(model="dec", prompt="to be", max_tokens=12, temperature=0, logprobs=2,
+                             extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert served_ids(lp) == ids and r.choices[0].text == reference(decoder, "to be", 12)
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert len(top) == 2 and max(top, key=top.get) == token
+    plain = c.completions.create(model="dec", prompt="to be", max_tokens=12, temperature=0, logprobs=2).choices[0]
+    assert "".join(plain.logprobs.tokens) == plain.text and plain.logprobs.token_logprobs == lp.token_logprobs
 
 
 def test_streaming_sends_the_same_text_then_done(decoder_server):
@@ -169,6 +228,13 @@ def test_chat_uses_the_imported_template(tmp_path):
                                                             temperature=0, stream=True))
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
+        r = client(base).chat.completions.create(model="llama", messages=messages, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=1,
+                                                 extra_body={"return_tokens_as_token_ids": True})
+        content = r.choices[0].logprobs.content               # vLLM's "token_id:{id}" names, the bytes the text's
+        assert [t.token for t in content] == [f"token_id:{i}" for i in expected.tolist()]
+        assert [t.top_logprobs[0].token for t in content] == [t.token for t in content]
+        assert bytes(sum((t.bytes for t in content), [])).decode() == r.choices[0].message.content
 
 
 def test_chat_without_template_is_refused(decoder_server):

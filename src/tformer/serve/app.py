@@ -89,7 +89,8 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
         grammar = await compile_grammar(state.grammars, schema) if constrained else None
         job = start_job(state, body, ids, body.max_tokens, body.logprobs, echo_logprobs, grammar, adapter)
         echo = prompts if body.echo else [""] * len(prompts)
-        fmt = CompletionFormat(served.adapters.names[adapter], body.n, echo, sum(map(len, ids)), echo_logprobs)
+        fmt = CompletionFormat(served.adapters.names[adapter], body.n, echo, sum(map(len, ids)), echo_logprobs,
+                               body.return_tokens_as_token_ids)
         return await respond(job, fmt, body, request)
 
     @app.post("/v1/chat/completions")
@@ -105,7 +106,8 @@ def create_app(served: Served, options: Options | None = None) -> FastAPI:
         calls = tools if tools.forced or not constrained else None     # a requested JSON answer is not a call
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = start_job(state, body, [ids], max_tokens, top, grammar=grammar, adapter=adapter)
-        return await respond(job, ChatFormat(served.adapters.names[adapter], len(ids), calls), body, request)
+        fmt = ChatFormat(served.adapters.names[adapter], len(ids), calls, body.return_tokens_as_token_ids)
+        return await respond(job, fmt, body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):

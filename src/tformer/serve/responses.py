@@ -12,13 +12,23 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def token_names(token, as_ids: bool) -> tuple[str, list[str]]:
+    """How logprobs name a token and its alternatives: their text, or "token_id:{id}" (vLLM's
+    return_tokens_as_token_ids)."""
+    if not as_ids:
+        return token.text, [text for text, _ in token.top or []]
+    return f"token_id:{token.id}", [f"token_id:{i}" for i in token.top_ids or []]
+
+
 class CompletionFormat:
     """Bodies of /v1/completions: object "text_completion", choices with text (and logprobs)."""
 
-    def __init__(self, model: str, n: int, echo: list[str], prompt_tokens: int, echo_logprobs: bool = False):
+    def __init__(self, model: str, n: int, echo: list[str], prompt_tokens: int, echo_logprobs: bool = False,
+                 as_ids: bool = False):
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.model, self.n, self.echo, self.prompt_tokens = model, n, echo, prompt_tokens
         self.echo_logprobs = echo_logprobs      # the echoed prompt comes with its tokens' logprobs, after prefill
+        self.as_ids = as_ids                    # tokens named "token_id:{id}"
         self.offsets: dict[int, int] = {}
 
     def _body(self, choices: list[dict]) -> dict:
@@ -36,8 +46,10 @@ class CompletionFormat:
             offsets.append(at)
             at += len(t.text)
         self.offsets[index] = at
-        return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [None if t.top is None else dict(t.top) for t in tokens], "text_offset": offsets}
+        names = [token_names(t, self.as_ids) for t in tokens]
+        return {"tokens": [name for name, _ in names], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.top is None else dict(zip(alts, (lp for _, lp in t.top)))
+                                 for t, (_, alts) in zip(tokens, names)], "text_offset": offsets}
 
     def first_chunks(self) -> list[dict]:
         if self.echo_logprobs:                  # the echo waits for its logprobs: chunk() sends both
@@ -66,9 +78,9 @@ class ChatFormat:
     called (structured.Tools), an answer that is a call comes back as tool_calls; streamed, such an
     answer is held back until it is complete and sent as one delta."""
 
-    def __init__(self, model: str, prompt_tokens: int, tools=None):
+    def __init__(self, model: str, prompt_tokens: int, tools=None, as_ids: bool = False):
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.model, self.prompt_tokens = model, prompt_tokens
+        self.model, self.prompt_tokens, self.as_ids = model, prompt_tokens, as_ids
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.started: set[int] = set()
         self.held: dict[int, tuple[str, list]] = {}     # choice -> (text, tokens) not yet sent
@@ -77,15 +89,18 @@ class ChatFormat:
     def _body(self, choices: list[dict], obj: str = "chat.completion.chunk") -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    @staticmethod
-    def _logprobs(tokens) -> dict | None:
-        def entry(text: str, logprob: float) -> dict:
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _logprobs(self, tokens) -> dict | None:
+        def entry(name: str, text: str, logprob: float) -> dict:
+            return {"token": name, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         if not tokens:
             return None
-        return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [entry(a, lp) for a, lp in t.top]}
-                            for t in tokens]}
+        content = []
+        for t in tokens:
+            name, alts = token_names(t, self.as_ids)
+            content.append({**entry(name, t.text, t.logprob),
+                            "top_logprobs": [entry(alt, a, lp) for alt, (a, lp) in zip(alts, t.top or [])]})
+        return {"content": content}
 
     def _calls(self, text: str, reason: str | None) -> list[dict] | None:
         return self.tools.calls(text) if self.tools is not None and reason == "stop" else None

@@ -66,6 +66,9 @@ class Sampled(Body):
     response_format: ResponseFormat | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the answer is constrained by a grammar')
+    return_tokens_as_token_ids: bool = Field(
+        False, description='vLLM\'s: with logprobs, each token and top_logprobs key as "token_id:{id}" (a special '
+                           'token, or part of a character, has no text of its own)')
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

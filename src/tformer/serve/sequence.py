@@ -41,12 +41,13 @@ class Sampling:
 
 @dataclass
 class Token:
-    """One token, for logprobs: its text, log-probability, and the top alternatives (a prompt's first
-    token: None, None: nothing predicts it)."""
+    """One token, for logprobs: its text, log-probability, and the top alternatives (text, log-probability)
+    with their ids (a prompt's first token: None, None: nothing predicts it)."""
     id: int
     text: str
     logprob: float | None
     top: list[tuple[str, float]] | None
+    top_ids: list[int] | None = None
 
 
 @dataclass
@@ -65,9 +66,9 @@ class Event:
 def token_info(tokenizer, token: int, logp: Tensor, top: int) -> Token:
     """Token `token` under log-probabilities logp (V,), with the `top` most likely alternatives."""
     best = torch.topk(logp, min(top, logp.numel())) if top else None
-    alternatives = [] if best is None else [(tokenizer.decode([int(i)]), float(v))
-                                            for v, i in zip(best.values, best.indices)]
-    return Token(token, tokenizer.decode([token]), float(logp[token]), alternatives)
+    ids = [] if best is None else best.indices.tolist()
+    alternatives = [] if best is None else [(tokenizer.decode([i]), float(v)) for v, i in zip(best.values, ids)]
+    return Token(token, tokenizer.decode([token]), float(logp[token]), alternatives, ids)
 
 
 class Sequence:
