@@ -64,7 +64,7 @@ from ..errors import ConfigError
 from ..kernels import gemv
 from ..model.linear import packs
 from ..model.lora import LoRALinear, refuse_adapters
-from ..model.lora_adapter import lora_product
+from ..model.lora_adapter import block_buffer, lora_product
 from .int8_plans import Gemv8, Packed8, WideBf16, dynamic_int8_available
 
 ACTIVATIONS = ("int8", "float")
@@ -150,13 +150,14 @@ class Int8Linear(nn.Module):
     def chunks(self) -> range:
         return range(0, self.out_features, max(1, CHUNK // self.in_features))
 
-    def base_product(self, x: Tensor) -> Tensor:
+    def base_product(self, x: Tensor, scratch: list[Tensor] | None = None) -> Tensor:
         """x (M, K) -> (M, N) = Σ_k x_k (s_n q_nk) + b, weight-only (lora_adapter.lora_product's forward in
-        training), a block of output features at a time into one output: no fp32 copy of W. Under autocast
-        in the autocast dtype, as F.linear would be (x converted; its gradient then comes back in it too)."""
+        training, lm_loss's output layer), a block of output features at a time into one output (in `scratch`,
+        lora_adapter.block_buffer): no fp32 copy of W. Under autocast in the autocast dtype, as F.linear would
+        be (x converted; its gradient then comes back in it too)."""
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        y = x.new_empty(x.size(0), self.out_features)
+        y = block_buffer(scratch, x.size(0) * self.out_features, x).view(x.size(0), self.out_features)
         step = self.chunks().step
         block = x.new_empty(min(step, self.out_features), self.in_features)
         for n in self.chunks():

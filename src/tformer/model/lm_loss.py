@@ -13,9 +13,10 @@ gradients, as Liger-Kernel's fused linear cross-entropy does, then lets its logi
 
 The forward keeps dL/dh (M, D) (and dL/dW, dL/db where they train); the backward scales them by the
 loss's gradient. Each product is computed once, as autograd would (z, dL/dh, dL/dW where W trains).
-The head's product goes through lora_adapter's base protocol (`base_product`, `base_grad`): a float
-layer's by `Dense`, an int8 layer's its own (inference/quant.py: its weight dequantised a block at a time);
-an output layer with adapters of its own runs as a whole module, then F.cross_entropy.
+The head's product goes through lora_adapter's base protocol (`base_product`, `base_grad`), every block's
+logits into one buffer (lora_adapter.block_buffer): a float layer's by `Dense`, an int8 layer's its own
+(inference/quant.py: its weight dequantised a block at a time); an output layer with adapters of its own runs
+as a whole module, then F.cross_entropy.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .lora import LoRALinear
+from .lora_adapter import block_buffer
 
 IGNORE_INDEX = -100          # a label that trains nothing (F.cross_entropy's default ignore_index)
 BLOCK = 1 << 23              # logits per block of rows: 32 MB in fp32 (4 blocks for GPT-2's 4 x 128 tokens)
@@ -62,10 +64,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         gh = torch.zeros_like(h) if need_h else None
         gw = gb = None
         total = h.new_zeros((), dtype=torch.float32)
+        scratch: list[Tensor] = []                                               # the blocks' logits, one buffer
         for start in range(0, h.size(0), step):
             rows = slice(start, start + step)
             hb, yb, wb = h[rows], y[rows], weights[rows]
-            out = base.base_product(hb)                                          # (m, V); bf16 under autocast
+            out = base.base_product(hb, scratch)                                 # (m, V); bf16 under autocast
             z = out.float()
             loss, sums = block_loss(z, yb, valid[rows])
             total += loss.sum()
@@ -119,10 +122,8 @@ class Dense:
       block's rows, a CPU's fp32 GEMM computes W hᵀ about a third faster than h Wᵀ (measured on Zen 4, one
       and two threads); the softmax reads the view as it would a (m, V) tensor, and dL/dz W takes it as it
       is. In bf16 the two are as fast and dL/dz W is slower from the view: z = h Wᵀ, autocast's F.linear.
-    - in fp32, every block's logits are written into one buffer, allocated for the first block: a fresh
-      (m, V) tensor a block is fresh pages from the system each time (glibc hands blocks this large back on
-      free), and their first touches cost the product a sixth of its time (Intel AMX, 128 rows: ~30 ms of a
-      GPT-2-small LoRA step's ~1.2 s; benchmarks/lora_cost.py).
+    - in fp32, every block's logits are written into one buffer (lora_adapter.block_buffer; an int8 output
+      layer does the same): ~30 ms of a GPT-2-small LoRA step's ~1.2 s on Intel AMX (benchmarks/lora_cost.py).
     - under autocast, W (and b) converted to its dtype once, where autocast would convert a frozen W again
       for each block's product and gradient (it keeps only the casts of weights that train)."""
 
@@ -131,17 +132,14 @@ class Dense:
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         self.weight = head.weight.detach().to(dtype or head.weight.dtype)
         self.bias = None if head.bias is None else head.bias.detach().to(self.weight.dtype)
-        self.buffer: Tensor | None = None                                        # fp32: the blocks' logits
 
-    def base_product(self, x: Tensor) -> Tensor:
-        """(m, V) logits, in fp32 a view of the buffer: valid until the next block's product."""
+    def base_product(self, x: Tensor, scratch: list[Tensor] | None = None) -> Tensor:
+        """(m, V) logits; in fp32 written into `scratch`'s buffer (lora_adapter.block_buffer)."""
         x = x.to(self.weight.dtype)
         if self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        size = x.size(0) * self.out_features
-        if self.buffer is None or self.buffer.numel() < size:
-            self.buffer = x.new_empty(size)
-        z = torch.mm(self.weight, x.t(), out=self.buffer[:size].view(self.out_features, -1)).t()  # stored (V, m)
+        z = block_buffer(scratch, x.size(0) * self.out_features, x).view(self.out_features, x.size(0))
+        z = torch.mm(self.weight, x.t(), out=z).t()                              # (m, V), stored (V, m)
         return z if self.bias is None else z.add_(self.bias)
 
     def base_grad(self, g: Tensor) -> Tensor:

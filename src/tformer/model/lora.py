@@ -72,7 +72,7 @@ class LoRALinear(Linear):
             y = adapter.add_to(y, x)
         return y
 
-    def base_product(self, x: Tensor) -> Tensor:
+    def base_product(self, x: Tensor, scratch: list[Tensor] | None = None) -> Tensor:
         return F.linear(x, self.weight, self.bias)        # (M, K) -> (M, N), for lora_product
 
     def base_grad(self, g: Tensor) -> Tensor:

@@ -21,8 +21,9 @@ those of the op-by-op path, bit for bit (same products, same order: (h_i B_iᵀ)
 A frozen base never needs its input for the backward (g W needs W alone), so an int8 base without
 adapters (quant.Int8Linear) keeps nothing at all.
 
-The base is any object with `base_product(x (M, K)) -> (M, N)` (no graph: called inside the Function)
-and `base_grad(g (M, N)) -> (M, K)` = g W; LoRALinear and quant.Int8Linear are two.
+The base is any object with `base_product(x (M, K), scratch=None) -> (M, N)` (no graph: called inside the
+Function; `scratch`: see block_buffer) and `base_grad(g (M, N)) -> (M, K)` = g W; LoRALinear and
+quant.Int8Linear are two, lm_loss.Dense (an output layer's) a third.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dropout import Dropout
+
+
+def block_buffer(scratch: list[Tensor] | None, size: int, like: Tensor) -> Tensor:
+    """A flat tensor of `size` elements in like's dtype and device, for a base's product: the one `scratch` holds
+    where it is large enough, else a new one, left in `scratch` for the next call. lm_loss passes one list for
+    all its blocks of rows: a fresh (rows x vocabulary) tensor a block is fresh pages from the system each time
+    (glibc hands blocks this large back on free), whose first touches cost a sixth of the product's time and
+    whose churn grows the heap (BENCHMARKS.md, "LoRA"). None: always a new tensor."""
+    if scratch is None:
+        return like.new_empty(size)
+    if not scratch or scratch[0].numel() < size or scratch[0].dtype != like.dtype:
+        scratch[:] = [like.new_empty(size)]
+    return scratch[0][:size]
 
 
 class Adapter(nn.Module):
