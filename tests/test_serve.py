@@ -26,20 +26,17 @@ def decoder_server(decoder):
         yield base, app
 
 
-def reference(path, prompt: str, max_tokens: int, dtype=None) -> str:
-    """model.generate on the prompt alone (a separately loaded model, in `dtype`), greedy, as text."""
+def reference_ids(path, prompt: str, max_tokens: int, dtype=None) -> list[int]:
+    """model.generate on the prompt alone (a separately loaded model, in `dtype`), greedy: the new token ids."""
     model, tok = tformer.load(path, dtype=dtype), char_tokenizer()
     src = torch.tensor([tok.encode(prompt) + ([tok.eos_id] if model.is_encoder_decoder else [])])  # as translators read
     out = model.generate(src, max_new_tokens=max_tokens, eos_token_id=[])[0]
-    return tok.decode(out[1:] if model.is_encoder_decoder else out[src.size(1):])
-
-
-def reference_ids(path, prompt: str, max_tokens: int, dtype=None) -> list[int]:
-    """reference()'s tokens as ids (its text drops special tokens, which a random model may emit)."""
-    model, tok = tformer.load(path, dtype=dtype), char_tokenizer()
-    src = torch.tensor([tok.encode(prompt) + ([tok.eos_id] if model.is_encoder_decoder else [])])
-    out = model.generate(src, max_new_tokens=max_tokens, eos_token_id=[])[0]
     return (out[1:] if model.is_encoder_decoder else out[src.size(1):]).tolist()
+
+
+def reference(path, prompt: str, max_tokens: int, dtype=None) -> str:
+    """reference_ids as text (which drops special tokens, as the server's does)."""
+    return char_tokenizer().decode(reference_ids(path, prompt, max_tokens, dtype))
 
 
 def served_ids(logprobs) -> list[int]:
