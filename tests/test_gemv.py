@@ -263,6 +263,10 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
             for ours, theirs in zip((dx, dw), torch.autograd.grad(expected, (xr, w), g)):
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+        lengths = [5, 1, 40]                             # an encoder's attention on packed texts (8 keys a vector)
+        qkv = torch.randn(sum(lengths), 3 * 2 * 16)
+        whole = gemv.attend_whole(qkv, F.pad(torch.tensor(lengths).cumsum(0), (1, 0)), 2, 2, 16, 0.25)
+        torch.testing.assert_close(whole.double(), _whole_reference(qkv, lengths, 2, 2, 16), atol=1e-5, rtol=1e-5)
         model = gpt(d_ff=520)                            # GPT-2's GELU (tanh) in vectors, and a tail of 8
         for rows in (1, 3):
             ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))
@@ -331,6 +335,47 @@ def test_attend_equals_the_formula(B, H, H_kv, T_k, hd, copies, masked, kv_dtype
     out = gemv.attend(q, k, v, mask, hd ** -0.5)
     assert out.shape == (B, 1, H * hd) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), _attend_reference(q, k, v, mask, copies), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, H_kv, hd", [(12, 12, 32), (8, 2, 64), (4, 4, 16)])   # MiniLM; grouped-query; a narrow head
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])                  # bf16: an int8 encoder's
+def test_attend_whole_equals_the_formula_text_by_text(H, H_kv, hd, dtype):
+    """Every real token of a packed batch attends to all of its own text's tokens and to no other's: each text
+    (1 to 70 tokens: within and across blocks of queries and vectors of keys; one text of none) as the formula
+    gives it alone, in float64 from the same inputs."""
+    torch.manual_seed(hd)
+    lengths = [1, 7, 8, 9, 0, 16, 17, 33, 70, 3]
+    starts = F.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    qkv = torch.randn(sum(lengths), (H + 2 * H_kv) * hd).to(dtype)
+    out = gemv.attend_whole(qkv, starts, H, H_kv, hd, hd ** -0.5)
+    assert out.shape == (sum(lengths), H * hd) and out.dtype == dtype
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -8                       # the output rounded to bf16
+    torch.testing.assert_close(out.double(), _whole_reference(qkv, lengths, H, H_kv, hd), atol=bound, rtol=bound)
+
+
+def _whole_reference(qkv, lengths, H, H_kv, hd):
+    """softmax(QKᵀ/√hd)V of each text alone, in float64."""
+    outs = []
+    for x in qkv.double().split(lengths):
+        q, k, v = (part.reshape(len(x), part.size(1) // hd, hd).transpose(0, 1)
+                   for part in x.split([H * hd, H_kv * hd, H_kv * hd], dim=1))
+        k, v = k.repeat_interleave(H // H_kv, 0), v.repeat_interleave(H // H_kv, 0)
+        o = torch.softmax(q @ k.transpose(1, 2) * hd ** -0.5, dim=-1) @ v                 # (H, n, hd)
+        outs.append(o.transpose(0, 1).reshape(len(x), H * hd))
+    return torch.cat(outs)
+
+
+@needs_kernel
+def test_attend_whole_declines_what_it_does_not_take():
+    starts = torch.tensor([0, 3, 5])
+    qkv = torch.randn(5, 3 * 4 * 16)
+    assert gemv.attend_whole(qkv, starts, 4, 4, 16, 0.25) is not None
+    assert gemv.attend_whole(qkv[:, :-1], starts, 4, 4, 16, 0.25) is None               # not Q, K, V's width
+    assert gemv.attend_whole(torch.randn(5, 3 * 4 * 24), starts, 4, 4, 24, 0.25) is None  # head not a multiple of 16
+    assert gemv.attend_whole(qkv.half(), starts, 4, 4, 16, 0.25) is None
+    assert gemv.attend_whole(qkv, torch.tensor([0, 3, 6]), 4, 4, 16, 0.25) is None       # past the last row
+    assert gemv.attend_whole(qkv.t().contiguous().t(), starts, 4, 4, 16, 0.25) is None    # columns not contiguous
 
 
 @needs_kernel

@@ -228,6 +228,45 @@ def test_an_encoder_planned_for_whole_texts_gives_the_plain_forward(monkeypatch)
 
 
 @needs_mkldnn
+@pytest.mark.parametrize("activation", sorted(linear.POST_OPS))
+def test_the_activation_inside_the_packed_product_is_the_activation_after_it(monkeypatch, activation):
+    """An encoder's FFN planned by plan_encoding: oneDNN applies the activation as it writes the up-projection
+    (POST_OPS), and the encoder gives what it gives without plans (the activation after F.linear: tformer's
+    own functions); where the up-projection carries unmerged LoRA adapters, their sum comes first (the plan
+    set on it by plan_encoding is not taken as the whole product)."""
+    from tformer.model.config import ModelConfig
+    from tformer.model.lora import apply_lora
+    from tformer.model.models import Encoder
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(kind="encoder", vocab_size=100, d_model=256, n_heads=4, n_layers=2, d_ff=512,
+                                max_seq_len=64, dropout=0.0, activation=activation)).eval()
+    ids, mask = torch.randint(0, 100, (4, 40)), torch.ones(4, 40, dtype=torch.long)
+    mask[1:, 25:] = 0
+    with torch.no_grad():
+        reference = model(ids, mask)
+        plan_encoding(model)
+        calls = []
+        original = Packed.__call__
+        monkeypatch.setattr(Packed, "__call__",
+                            lambda self, x, b, act=None: calls.append(act) or original(self, x, b, act))
+        torch.testing.assert_close(model(ids, mask), reference, atol=1e-4, rtol=1e-4)
+        assert calls.count(activation) == 2                           # each layer's up-projection
+        apply_lora(model.requires_grad_(False), r=4, alpha=8, targets=("up",))
+        for p in model.parameters():
+            if p.requires_grad:                                       # the adapters: B made non-zero
+                p.normal_(std=0.05)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.plan = None
+        adapted = model(ids, mask)
+        assert (adapted - reference).abs().max() > 1e-2
+        plan_encoding(model)
+        calls.clear()
+        torch.testing.assert_close(model(ids, mask), adapted, atol=1e-4, rtol=1e-4)
+        assert activation not in calls
+
+
+@needs_mkldnn
 def test_plans_step_aside_under_autocast(monkeypatch):
     """Under autocast F.linear multiplies in the autocast dtype; an fp32 plan would not: it is not used."""
     m = layer(256, 512)

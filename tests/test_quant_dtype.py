@@ -99,3 +99,21 @@ def test_an_int8_encoder_in_bf16_is_the_fp32_one_within_bf16s_rounding(monkeypat
     assert bool(calls) == native_bf16(torch.device("cpu"))       # elsewhere: the dequantised fp32 product
     cos = torch.nn.functional.cosine_similarity(ours.flatten(1), reference.flatten(1), dim=-1)
     assert cos.min() > 0.9999                                    # a bf16 model against its fp32 copy: ~0.99998
+
+
+@pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="no bf16 units: no oneDNN bf16 product for many rows")
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+def test_an_int8_ffn_applies_its_activation_inside_the_wide_product(monkeypatch, activation):
+    """Past INT8_MAX_ROWS rows an int8 up-projection (WideBf16) applies the FFN's activation as oneDNN writes
+    its product: the activation of the layer's own output (tformer's functions) within bf16's rounding."""
+    from tformer.model.layers import ACTIVATIONS
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(128, 512))
+    x = torch.randn(INT8_MAX_ROWS + 40, 128, dtype=torch.bfloat16)
+    calls = []
+    original = int8_plans.WideBf16.__call__
+    monkeypatch.setattr(int8_plans.WideBf16, "__call__", lambda self, *a: calls.append(a[2:]) or original(self, *a))
+    with torch.inference_mode():
+        fused, apart = layer.activated(x, activation, ACTIVATIONS[activation]), ACTIVATIONS[activation](layer(x))
+    assert calls == [(activation,), (None,)] and fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), apart.float(), atol=2 ** -7, rtol=2 ** -7)

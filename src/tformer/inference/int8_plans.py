@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import gemv
-from ..model.linear import Plan
+from ..model.linear import POST_OPS, Plan
 from ..model.plans import ENCODE_ROWS
 
 
@@ -70,5 +70,6 @@ class WideBf16(Plan):
         dequantised = (weight.float() * scales.float()[:, None]).bfloat16()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(dequantised, ENCODE_ROWS)
 
-    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+    def __call__(self, x: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
+        post, algorithm = POST_OPS[activation] if activation is not None else ("none", "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, post, [], algorithm)

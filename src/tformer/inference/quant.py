@@ -55,6 +55,8 @@ layers (quantize_int8); with weight-only int8 it keeps its dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -62,7 +64,7 @@ from torch import Tensor, nn
 from ..devices import native_bf16
 from ..errors import ConfigError
 from ..kernels import gemv
-from ..model.linear import packs
+from ..model.linear import POST_OPS, packs
 from ..model.lora import LoRALinear, refuse_adapters
 from ..model.lora_adapter import block_buffer, lora_product
 from .int8_plans import Gemv8, Packed8, WideBf16, dynamic_int8_available
@@ -129,17 +131,30 @@ class Int8Linear(nn.Module):
         elif rows <= 4 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
             # PyTorch's weight-only int8 kernel: converts q row by row inside the dot product.
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(x.dtype))
-        elif rows > INT8_MAX_ROWS and self._integer_path(x) and native_bf16(x.device) and packs(torch.bfloat16):
-            # Many rows, bf16 units: (x rounded to bf16) · bf16(s_n q_nk) + b, in one call.
-            bias = None if self.bias is None else self.bias.bfloat16()
-            y = self.wide_plan()(x2.bfloat16(), bias).to(x.dtype)
-            return y.reshape(*shape[:-1], self.out_features)
+        elif self._wide_path(x, rows):
+            return self._wide_product(x2, None).to(x.dtype).reshape(*shape[:-1], self.out_features)
         else:
             # Many rows: the weight, converted once, costs little against the product itself.
             y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])   # Σ_k x_k (s_n q_nk)
         if self.bias is not None:
             y = y.add_(self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
+
+    def activated(self, x: Tensor, activation: str, act: Callable[[Tensor], Tensor]) -> Tensor:
+        """act(self(x)) (Linear.activated): inside the product where it is oneDNN's bf16 one (many rows)."""
+        x2 = x.reshape(-1, self.in_features)
+        training = torch.is_grad_enabled() and x.requires_grad
+        if activation in POST_OPS and not training and self._wide_path(x, x2.size(0)):
+            return self._wide_product(x2, activation).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return act(self(x))
+
+    def _wide_path(self, x: Tensor, rows: int) -> bool:
+        return rows > INT8_MAX_ROWS and self._integer_path(x) and native_bf16(x.device) and packs(torch.bfloat16)
+
+    def _wide_product(self, x2: Tensor, activation: str | None) -> Tensor:
+        """Many rows, bf16 units: (x rounded to bf16) · bf16(s_n q_nk) + b (then the activation), in one call."""
+        bias = None if self.bias is None else self.bias.bfloat16()
+        return self.wide_plan()(x2.bfloat16(), bias, activation)
 
     def dequantised(self, start: int, stop: int, out: Tensor) -> Tensor:
         """Rows [start, stop) of W as s_n·q_nk, written into the first rows of `out` (in its dtype): a buffer

@@ -14,6 +14,8 @@
  * at every step). With `kv_bf16` the keys and values are bf16 (a server's KV cache of half the bytes:
  * each is widened to fp32 as it is read; the sums stay fp32).
  */
+#include <stdlib.h>
+
 #include "simd.h"
 #include "kernels.h"
 
@@ -79,5 +81,114 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
         }
         vec inv = vset1(1.0f / sum);
         for (int64_t i = 0; i < nv; i++) vstore(o + LANES * i, vmul(acc[i], inv));
+    }
+}
+
+/* Whole-text attention without a mask (an encoder's, on the real tokens of a padded batch: masks.Packing):
+ * text b is rows starts[b] .. starts[b + 1] - 1 of `qkv` (row stride `stride` elements; Q of head h at
+ * column h·hd, K and V of head h / (H / H_kv) at k_off and v_off + that head's hd), fp32 or bf16 (`bf16`),
+ * and each of its tokens attends to all of them. out (rows, `out_stride`), head h at column h·hd, is
+ * written in the same dtype. For texts of a few dozen tokens PyTorch's flash kernel, with the padding
+ * put back for it and taken out after, is most of an encoder's time outside its products (BENCHMARKS.md,
+ * "Against CTranslate2 and ONNX Runtime"). One task is a (text, head): its keys are laid out by position
+ * (kt[d·tp + j], widened, zero past the text's end) and QB queries' (scaled) likewise, so that QB queries x
+ * LANES keys of scores are QB independent sums of hd products; its values are read in place. The rows
+ * are asked for (prefetched) a few ahead: each is a cache miss the first time a head reads it. hd a
+ * multiple of LANES up to MAX_HD. */
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {         /* round to nearest even (finite values) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#define QB 8               /* queries of one text and head at a time: 8 independent sums in flight */
+
+static inline float element(const void *x, int64_t at, int64_t bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+}
+
+void tformer_attend_whole(const void *qkv, int64_t stride, int64_t k_off, int64_t v_off, const int64_t *starts,
+                          void *out, int64_t out_stride, int64_t B, int64_t H, int64_t H_kv, int64_t hd,
+                          int64_t bf16, float scale) {
+    const int64_t group = H / H_kv, nv = hd / LANES, size = bf16 ? 2 : 4, ahead = 4;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++)
+        longest = starts[b + 1] - starts[b] > longest ? starts[b + 1] - starts[b] : longest;
+    const int64_t most = (longest + LANES - 1) / LANES * LANES;
+#pragma omp parallel
+    {
+        float *kt = malloc(sizeof(float) * (hd * most + QB * most + QB * hd));
+        float *s = kt + hd * most, *qs = s + QB * most;     /* scores s[q·tp + j]; queries qs[d·QB + q], scaled */
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * H; task++) {
+            const int64_t b = task / H, h = task % H, first = starts[b], n = starts[b + 1] - first;
+            const int64_t tp = (n + LANES - 1) / LANES * LANES;
+            const int64_t kc = k_off + (h / group) * hd, vc = v_off + (h / group) * hd;
+            for (int64_t j = 0; j < tp; j++) {
+                if (j + ahead < n)
+                    for (int64_t at = 0; at < hd * size; at += 64) {
+                        __builtin_prefetch((const char *)qkv + ((first + j + ahead) * stride + kc) * size + at);
+                        __builtin_prefetch((const char *)qkv + ((first + j + ahead) * stride + h * hd) * size + at);
+                        __builtin_prefetch((const char *)qkv + ((first + j + ahead) * stride + vc) * size + at);
+                    }
+                for (int64_t d = 0; d < hd; d++)
+                    kt[d * tp + j] = j < n ? element(qkv, (first + j) * stride + kc + d, bf16) : 0.0f;
+            }
+            for (int64_t i0 = 0; i0 < n; i0 += QB) {
+                for (int64_t q = 0; q < QB; q++)                      /* queries past the text's end: 0 */
+                    for (int64_t d = 0; d < hd; d++)
+                        qs[d * QB + q] = i0 + q < n ? scale * element(qkv, (first + i0 + q) * stride + h * hd + d, bf16) : 0.0f;
+                for (int64_t j = 0; j < tp; j += LANES) {             /* scores: LANES keys x QB queries */
+                    vec acc[QB];
+                    for (int64_t q = 0; q < QB; q++) acc[q] = vzero();
+                    for (int64_t d = 0; d < hd; d++) {
+                        const vec kd = vload(kt + d * tp + j);
+                        for (int64_t q = 0; q < QB; q++) acc[q] = vfmadd(vset1(qs[d * QB + q]), kd, acc[q]);
+                    }
+                    for (int64_t q = 0; q < QB; q++) vstore(s + q * tp + j, acc[q]);
+                }
+                float inv[QB];
+                for (int64_t q = 0; q < QB; q++) {                    /* s -> e^(s - max), 0 past the end */
+                    float *sq = s + q * tp;
+                    for (int64_t j = n; j < tp; j++) sq[j] = -INFINITY;
+                    vec top = vload(sq), total = vzero();
+                    for (int64_t j = LANES; j < tp; j += LANES) top = vmax(top, vload(sq + j));
+                    const vec high = vset1(vmaxall(top));
+                    for (int64_t j = 0; j < tp; j += LANES) {
+                        vstore(sq + j, vexp(vsub(vload(sq + j), high)));
+                        for (int64_t r = n > j ? n - j : 0; r < LANES; r++) sq[j + r] = 0.0f;
+                        total = vadd(total, vload(sq + j));
+                    }
+                    inv[q] = 1.0f / vsum(total);
+                }
+                for (int64_t c = 0; c < nv; c++) {                    /* out = p V: LANES columns x QB queries */
+                    vec acc[QB];
+                    for (int64_t q = 0; q < QB; q++) acc[q] = vzero();
+                    for (int64_t j = 0; j < n; j++) {
+                        const vec vj = kv_load(qkv, (first + j) * stride + vc + c * LANES, bf16);
+                        for (int64_t q = 0; q < QB; q++) acc[q] = vfmadd(vset1(s[q * tp + j]), vj, acc[q]);
+                    }
+                    for (int64_t q = 0; q < QB && i0 + q < n; q++) {
+                        const int64_t oa = (first + i0 + q) * out_stride + h * hd + c * LANES;
+                        const vec o = vmul(acc[q], vset1(inv[q]));
+                        if (!bf16) {
+                            vstore((float *)out + oa, o);
+                            continue;
+                        }
+                        float f[LANES];
+                        vstore(f, o);
+                        for (int64_t r = 0; r < LANES; r++) ((uint16_t *)out)[oa + r] = float_to_bf16(f[r]);
+                    }
+                }
+            }
+        }
+        free(kt);
     }
 }

@@ -30,7 +30,7 @@ from torch import Tensor
 from .build import function, unsupported
 
 __all__ = ["PLAN_ROWS", "BLOCK", "HUGE_PAGE", "MAX_HEAD", "MAX_KEYS", "available", "unsupported", "huge_page_empty",
-           "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "gpt_step",
+           "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "attend_whole", "gpt_step",
            "rms_norm", "rms_norm_grad", "gelu_tanh", "gelu_tanh_grad"]
 
 CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
@@ -184,6 +184,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            *mask_args, *lineage_args, out.data_ptr(), B, H, H_kv, T_k, hd, B // Bk, int(k.dtype == torch.bfloat16),
            scale)
+    return out
+
+
+def attend_whole(qkv: Tensor, starts: Tensor, heads: int, kv_heads: int, head_dim: int, scale: float) -> Tensor | None:
+    """Self-attention of whole texts without a mask, in one call: qkv (N, (H + 2·H_kv)·hd) fp32 or bf16 (rows
+    contiguous: Q, K, V side by side as a fused projection gives them), text b its rows starts[b] ..
+    starts[b + 1] - 1 (starts (B + 1,) int64), each of its tokens attending to all of them -> (N, H·hd) in
+    qkv's dtype, heads side by side; None where the kernel does not take these inputs."""
+    kernel = function("tformer_attend_whole")
+    n = heads * head_dim + 2 * kv_heads * head_dim
+    if (kernel is None or qkv.dim() != 2 or qkv.size(1) != n or qkv.stride(1) != 1 or head_dim % 16
+            or head_dim > MAX_HEAD or heads % kv_heads or qkv.dtype not in (torch.float32, torch.bfloat16)
+            or starts.dtype != torch.int64 or not starts.is_contiguous() or starts.numel() < 2
+            or int(starts[-1]) > qkv.size(0) or int((starts[1:] - starts[:-1]).max()) > MAX_KEYS):
+        return None
+    out = torch.empty(qkv.size(0), heads * head_dim, dtype=qkv.dtype)
+    kernel(qkv.data_ptr(), qkv.stride(0), heads * head_dim, (heads + kv_heads) * head_dim, starts.data_ptr(),
+           out.data_ptr(), out.stride(0), starts.numel() - 1, heads, kv_heads, head_dim,
+           int(qkv.dtype == torch.bfloat16), scale)
     return out
 
 

@@ -36,6 +36,7 @@ static inline void load16_bf16(vec *w, const uint16_t *p) {      /* a bf16 is th
     w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline float vmaxall(vec v) { return _mm512_reduce_max_ps(v); }
 static inline vec vload_bf16(const uint16_t *p) {                  /* LANES bf16 values widened, in order */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -79,6 +80,11 @@ static inline float vsum(vec v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vmaxall(vec v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 #define PER_BLOCK (16 / LANES)

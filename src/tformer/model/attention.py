@@ -112,6 +112,19 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
 
 
+def whole_text_attention(qkv: Tensor, packing: Packing, heads: int, kv_heads: int, head_dim: int,
+                         scale: float | None) -> Tensor | None:
+    """An encoder's self-attention on the real tokens of a padded batch (`packing`), without a gradient,
+    through tformer's kernel (gemv.attend_whole): each text's tokens attend to its own, read in place in
+    the fused projection's output qkv (N, ·) -> (N, H·hd), with no padding put back and taken out. For
+    texts of a few dozen tokens PyTorch's flash kernel and the padding around it took ~25% of MiniLM's time
+    (BENCHMARKS.md, "Against CTranslate2 and ONNX Runtime"). None where the kernel does not apply."""
+    if qkv.device.type != "cpu" or qkv.requires_grad:
+        return None
+    return gemv.attend_whole(qkv, packing.starts, heads, kv_heads, head_dim,
+                             scale if scale is not None else head_dim ** -0.5)
+
+
 def inference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
                         is_causal: bool = False) -> Tensor:
     """softmax(QKᵀ/√d_k)V without a gradient, weights or bias, by the path MultiHeadAttention takes for
@@ -205,6 +218,10 @@ class MultiHeadAttention(nn.Module):
         else:
             qkv = self.qkv_proj(x)
             if packing is not None:
+                out = None if need_weights or position_bias is not None or self.rotary is not None else \
+                    whole_text_attention(qkv, packing, self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
+                if out is not None:
+                    return self.out_proj(out), None
                 qkv = packing.unpack(qkv)                                        # (N, ·) -> (B, T, ·)
             q, k, v = self.qkv_heads(qkv)
             if self.rotary is not None:

@@ -108,20 +108,17 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = True, dropout: float = 0.0):
         super().__init__()
-        self.gated = activation in GATED
+        self.gated, self.activation = activation in GATED, activation
         self.act = GATED[activation] if self.gated else ACTIVATIONS[activation]
         self.up = Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
         self.down = Linear(d_ff, d_model, bias=bias)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.up(x)                                                           # (B, T, d_ff or 2*d_ff)
-        if self.gated:
-            gate, h = h.chunk(2, dim=-1)
-            h = self.act(gate) * h
-        else:
-            h = self.act(h)
-        return self.down(self.dropout(h))
+        if not self.gated:
+            return self.down(self.dropout(self.up.activated(x, self.activation, self.act)))   # act(up(x))
+        gate, h = self.up(x).chunk(2, dim=-1)                                    # (B, T, d_ff) each
+        return self.down(self.dropout(self.act(gate) * h))
 
 
 class PreNorm(nn.Module):

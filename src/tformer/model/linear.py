@@ -35,6 +35,8 @@ plan keeps the weight's storage alive until it is replaced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -88,9 +90,16 @@ class Packed(Plan):
         self.max_elems = max_rows * weight.size(1)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)   # oneDNN's layout
 
-    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, bias, "none", [], "")
+    def __call__(self, x: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
+        """x Wᵀ + b, then `activation` (a name of POST_OPS) inside oneDNN's product where given."""
+        post, algorithm = POST_OPS[activation] if activation is not None else ("none", "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)), self.packed, bias, post, [], algorithm)
         return y.view(*x.shape[:-1], y.size(-1))
+
+
+# Activations oneDNN applies to a packed product's output as it writes it (its "post-ops"), by tformer's
+# names (layers.ACTIVATIONS): no second pass over an FFN's widest tensor, and no second tensor of its size.
+POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", ""), "silu": ("swish", "")}
 
 
 class Split(Plan):
@@ -182,6 +191,14 @@ class Linear(nn.Linear):
         if plan is not None and plan.usable(x, w):
             return plan(x, self.bias)
         return F.linear(x, w, self.bias)
+
+    def activated(self, x: Tensor, activation: str, act: Callable[[Tensor], Tensor]) -> Tensor:
+        """act(self(x)), `act` the function tformer names `activation`: in the product itself where the plan is
+        oneDNN's packed weights and oneDNN has the activation (POST_OPS; an encoder's FFN on a CPU)."""
+        plan = self.plan
+        if isinstance(plan, Packed) and activation in POST_OPS and plan.usable(x, self.weight):
+            return plan(x, self.bias, activation)
+        return act(self(x))
 
     def argmax(self, x: Tensor) -> Tensor | None:
         """(B, in) -> (B,) the index of each row's largest output, the first of equals, without all

@@ -34,7 +34,7 @@ argmax screen, which read `plan`, cannot skip an adapter); merging changes W, so
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -71,6 +71,11 @@ class LoRALinear(Linear):
         for adapter in self.lora.values():
             y = adapter.add_to(y, x)
         return y
+
+    def activated(self, x: Tensor, activation: str, act: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.merged or not self.lora:
+            return super().activated(x, activation, act)
+        return act(self(x))                   # the adapters' sum comes before the activation
 
     def base_product(self, x: Tensor, scratch: list[Tensor] | None = None) -> Tensor:
         return F.linear(x, self.weight, self.bias)        # (M, K) -> (M, N), for lora_product

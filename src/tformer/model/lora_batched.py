@@ -37,7 +37,7 @@ step and the greedy argmax screen, which cannot add an adapter, leave these laye
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,9 @@ class StackedLoRALinear(Linear):
         for stack in self.lora.values():
             y = stack.add_to(y, x, rows)
         return y
+
+    def activated(self, x: Tensor, activation: str, act: Callable[[Tensor], Tensor]) -> Tensor:
+        return act(self(x))                   # the adapters' sums come before the activation
 
     def make_plan(self, rows: int, kind: type[Plan] | None) -> Plan | None:
         # Plan W as Linear does (keeping a plan still valid), then move it to where only forward looks.

@@ -15,6 +15,7 @@ Causal mask for T = 4 (row = query i, column = key j; True where j <= i):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -85,6 +86,8 @@ class Packing:
     def __init__(self, attention_mask: Tensor):
         self.shape = attention_mask.shape                                        # (B, T)
         self.index = attention_mask.flatten().nonzero().squeeze(1)               # (N,) positions of real tokens
+        self.starts = F.pad(attention_mask.ne(0).sum(1).cumsum(0), (1, 0))       # (B + 1,): row b's are [starts[b],
+                                                                                 # starts[b + 1]) of the N
 
     def pack(self, x: Tensor) -> Tensor:
         return x.flatten(0, 1).index_select(0, self.index)
