@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.build import status
+from ..model.linear import packs
 
 
 def sync(device: str) -> None:
@@ -160,10 +161,16 @@ def _cpu_model() -> str:
 # --- ceilings ------------------------------------------------------------------------------------
 
 def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str, min_time: float = 0.3) -> float:
-    """Measured GFLOP/s of one (m, k) @ (k, n) matmul with torch.matmul."""
+    """Measured GFLOP/s of one (m, k) @ (k, n) product: the faster of torch.matmul and, on a CPU, oneDNN's
+    product on packed weights (the one tformer's plans use: on a Zen 5 MKL's torch.matmul in fp32 ran at
+    ~205 GFLOP/s and oneDNN's at ~480, so a ceiling of torch.matmul alone was half the machine's)."""
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
-    seconds = median_time(lambda: torch.matmul(a, b), device, repeats=3, warmup=2, min_time=min_time)
+    products = [lambda: torch.matmul(a, b)]
+    if device == "cpu" and packs(dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), m)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    seconds = min(median_time(f, device, repeats=3, warmup=2, min_time=min_time) for f in products)
     return 2 * m * k * n / seconds / 1e9
 
 
