@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import gemv
+from . import dense
 
 MAX_ROWS = 64               # decoding steps and short prompts; longer inputs keep F.linear
 PROMPT_ROWS = 2048          # ... except with a gemv or packed plan: prompts, the server's rows and chunks
@@ -190,6 +191,8 @@ class Linear(nn.Linear):
         plan, w = self.plan, self.weight
         if plan is not None and plan.usable(x, w):
             return plan(x, self.bias)
+        if torch.is_grad_enabled():                       # training: its products by oneDNN where faster here
+            return dense.linear(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
     def activated(self, x: Tensor, activation: str, act: Callable[[Tensor], Tensor]) -> Tensor:

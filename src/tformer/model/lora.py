@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError
+from . import dense
 from .attention import MultiHeadAttention
 from .layers import FeedForward
 from .linear import Linear, Plan
@@ -78,10 +79,10 @@ class LoRALinear(Linear):
         return act(self(x))                   # the adapters' sum comes before the activation
 
     def base_product(self, x: Tensor, scratch: list[Tensor] | None = None) -> Tensor:
-        return F.linear(x, self.weight, self.bias)        # (M, K) -> (M, N), for lora_product
+        return dense.forward(x, self.weight, self.bias)    # (M, K) -> (M, N), for lora_product
 
     def base_grad(self, g: Tensor) -> Tensor:
-        return g.mm(self.weight.to(g.dtype))               # dL/dx = g W (M, K); g is bf16 under autocast
+        return dense.grad_input(g, self.weight.to(g.dtype))   # dL/dx = g W (M, K); g is bf16 under autocast
 
     def make_plan(self, rows: int, kind: type[Plan] | None) -> Plan | None:
         if self.merged or not self.lora:
