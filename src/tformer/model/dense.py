@@ -5,7 +5,8 @@ PyTorch multiplies fp32 on a CPU with MKL, and MKL runs its AVX2 code on AMD CPU
 products ran at ~205 GFLOP/s through `torch.mm` and at 400-470 through oneDNN (the same library PyTorch uses
 for bf16 products and for inference plans: `torch.ops.mkldnn._linear_pointwise`, which takes the plain weight
 and transposed views as they are; BENCHMARKS.md, "Training"). Which is faster is timed once per process on a
-GPT-2-sized layer (`onednn_faster`, ~0.1 s), so an Intel CPU, where MKL runs AVX-512, keeps PyTorch's.
+GPT-2-sized layer (`onednn_faster`, ~0.2 s); oneDNN must win by 10%, so an Intel CPU, where MKL runs AVX-512, and
+any CPU where the two tie keep PyTorch's (the same products and values, run to run).
 
     y = linear(x, w, b)           # F.linear with autograd; its products by oneDNN where that is faster
     y = forward(x, w, b)          # the same without a graph, and
