@@ -37,6 +37,12 @@ def test_products_and_gradients_are_f_linears(onednn, bias, weight_trains):
     torch.testing.assert_close(dense.grad_input(g2, w.detach()), g2 @ w.detach(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(dense.forward(x.detach()[0], w.detach(), b), F.linear(x.detach()[0], w.detach(), b),
                                rtol=1e-5, atol=1e-5)
+    out, gx = torch.zeros(17, 80), torch.ones(9, 40)                  # by blocks of w's rows, as an int8 base runs
+    dense.product_into(out[:, 10:66], x.detach()[1], w.detach())
+    dense.add_grad_input(gx, g2, w.detach())
+    torch.testing.assert_close(out[:, 10:66], x.detach()[1] @ w.detach().t(), rtol=1e-5, atol=1e-4)
+    assert not out[:, :10].any() and not out[:, 66:].any()
+    torch.testing.assert_close(gx, 1 + g2 @ w.detach(), rtol=1e-5, atol=1e-4)
 
 
 def test_a_linear_layer_trains_through_it_and_infers_as_before(onednn):

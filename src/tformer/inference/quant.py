@@ -176,26 +176,16 @@ class Int8Linear(nn.Module):
         y = block_buffer(scratch, x.size(0) * self.out_features, x).view(x.size(0), self.out_features)
         step = self.chunks().step
         block = x.new_empty(min(step, self.out_features), self.in_features)
-        onednn = dense.takes(x, block)                   # fp32 where oneDNN multiplies faster than MKL here
         for n in self.chunks():
-            w = self.dequantised(n, n + step, block)
-            if onednn:
-                y[:, n:n + step] = dense.product(x, w)
-            else:
-                torch.mm(x, w.t(), out=y[:, n:n + step])
+            dense.product_into(y[:, n:n + step], x, self.dequantised(n, n + step, block))
         return y if self.bias is None else y.add_(self.bias.to(x.dtype))
 
     def base_grad(self, g: Tensor) -> Tensor:
         """dL/dx = g W (M, N) -> (M, K), from the int8 weight a block at a time."""
         gx, step = g.new_zeros(g.size(0), self.in_features), self.chunks().step
         block = g.new_empty(min(step, self.out_features), self.in_features)
-        onednn = dense.takes(g, block)
         for n in self.chunks():
-            w = self.dequantised(n, n + step, block)
-            if onednn:
-                gx += dense.product(g[:, n:n + step], w.t())
-            else:
-                gx.addmm_(g[:, n:n + step], w)
+            dense.add_grad_input(gx, g[:, n:n + step], self.dequantised(n, n + step, block))
         return gx
 
     def _integer_path(self, x: Tensor) -> bool:

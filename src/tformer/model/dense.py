@@ -11,6 +11,7 @@ any CPU where the two tie keep PyTorch's (the same products and values, run to r
     y = linear(x, w, b)           # F.linear with autograd; its products by oneDNN where that is faster
     y = forward(x, w, b)          # the same without a graph, and
     gx = grad_input(g, w)         # g W, for a product whose gradient a caller computes itself (LoRA's)
+    product_into(out, x, w); add_grad_input(gx, g, w)     # the same by blocks (an int8 base's)
 
 Only fp32 CPU tensors outside autocast and torch.compile take oneDNN (autocast's bf16 products are oneDNN's
 already; Inductor lowers F.linear its own way).
@@ -79,6 +80,22 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 def grad_input(g: Tensor, w: Tensor) -> Tensor:
     """g (M, N) @ w (N, K): the gradient a product passes back to its input."""
     return product(g, w.t()) if takes(g, w) else g.mm(w)
+
+
+def product_into(out: Tensor, x: Tensor, w: Tensor) -> None:
+    """out = x wᵀ: MKL writes into `out`; oneDNN's call takes no `out=`, so its product is copied in."""
+    if takes(x, w):
+        out.copy_(product(x, w))
+    else:
+        torch.mm(x, w.t(), out=out)
+
+
+def add_grad_input(gx: Tensor, g: Tensor, w: Tensor) -> None:
+    """gx += g w (a gradient summed over blocks of w's rows)."""
+    if takes(g, w):
+        gx += product(g, w.t())
+    else:
+        gx.addmm_(g, w)
 
 
 class LinearFunction(torch.autograd.Function):
