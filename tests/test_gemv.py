@@ -367,6 +367,30 @@ def _whole_reference(qkv, lengths, H, H_kv, hd):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mask", ["padded", "none", "all ones"])
+def test_an_encoder_attends_through_the_kernel_padded_or_not(monkeypatch, mask):
+    """An encoder in inference packs its real tokens and attends through attend_whole, with padding or without (a
+    single text: PyTorch's flash kernel is slower on short texts), and gives what PyTorch's attention gives."""
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Encoder
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(kind="encoder", vocab_size=100, d_model=64, n_heads=4, n_layers=2, d_ff=128,
+                                max_seq_len=32, dropout=0.0)).eval()
+    ids = torch.randint(0, 100, (3, 20))
+    attention_mask = {"padded": torch.ones(3, 20, dtype=torch.long).index_fill_(1, torch.arange(15, 20), 0),
+                      "none": None, "all ones": torch.ones(3, 20, dtype=torch.long)}[mask]
+    calls = []
+    original = gemv.attend_whole
+    monkeypatch.setattr(gemv, "attend_whole", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        ours = model(ids, attention_mask)
+        assert len(calls) == 2                                          # each layer
+        monkeypatch.setattr(gemv, "available", lambda: False)
+        monkeypatch.setattr(gemv, "attend_whole", lambda *a: None)     # PyTorch's attention
+        torch.testing.assert_close(ours, model(ids, attention_mask), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_attend_whole_declines_what_it_does_not_take():
     starts = torch.tensor([0, 3, 5])
     qkv = torch.randn(5, 3 * 4 * 16)

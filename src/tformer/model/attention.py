@@ -258,6 +258,13 @@ class MultiHeadAttention(nn.Module):
             out = packing.pack(out)                                              # (B, T, ·) -> (N, ·)
         return self.out_proj(out), weights
 
+    def whole_texts(self, x: Tensor) -> bool:
+        """Whether whole_text_attention (tformer's kernel) can attend for this layer on inputs like x: self-attention
+        without rotary positions, on a CPU where the kernel is built, fp32 or bf16, heads of a multiple of 16."""
+        return (not self.cross and self.rotary is None and x.device.type == "cpu" and gemv.available()
+                and x.dtype in (torch.float32, torch.bfloat16) and self.head_dim % 16 == 0
+                and self.head_dim <= gemv.MAX_HEAD)
+
     def split_heads(self, x: Tensor, n: int) -> Tensor:
         """(B, T, n·hd) -> (B, n, T, hd): n heads of size hd."""
         B, T, _ = x.shape

@@ -75,6 +75,11 @@ def self_attention_mask(t: int, offset: int, attention_mask: Tensor | None, caus
     return combine(causal_part, pad)
 
 
+def padded(attention_mask: Tensor | None) -> bool:
+    """Whether an HF-style attention_mask marks any padding."""
+    return attention_mask is not None and not bool(attention_mask.all())
+
+
 class Packing:
     """The real tokens of a padded batch, for running the token-wise layers (projections, FFN,
     norms: most of an encoder's work) on them alone. Attention unpacks to (B, T, ·) rows, with

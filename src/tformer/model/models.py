@@ -25,7 +25,7 @@ from .kv_cache import Cache, CrossKVCache, KVCache
 from .layers import DecoderLayer, EncoderLayer, make_norm
 from .linear import Linear
 from .lm_loss import lm_loss
-from .masks import Packing, combine, padding_mask, self_attention_mask
+from .masks import Packing, combine, padded, padding_mask, self_attention_mask
 from .positional import RelativePositionBias, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -84,11 +84,11 @@ class Encoder(nn.Module):
         x = self.embed(input_ids, positions, token_type_ids)                    # (B, T, D)
         mask = self_attention_mask(input_ids.size(1), 0, attention_mask, causal=False, device=input_ids.device)
         bias = self.relative_bias(input_ids.size(1), input_ids.size(1)) if self.relative_bias is not None else None
-        # Inference on a padded batch: the layers' token-wise work runs on the real tokens only
-        # (padding is wasted work; the real tokens' outputs are the same). Padded positions output 0.
-        packing = None
-        if attention_mask is not None and not self.training and not return_attention and not bool(attention_mask.all()):
-            packing = Packing(attention_mask)
+        # Inference on the real tokens only (padding is wasted work; padded positions output 0); unpadded too where
+        packing = None                              # tformer's kernel attends (PyTorch's flash kernel is slower)
+        if not self.training and not return_attention and (padded(attention_mask) or self.relative_bias is None
+                                                            and self.layers[0].attn.whole_texts(x)):
+            packing = Packing(attention_mask if attention_mask is not None else torch.ones_like(input_ids))
             x = packing.pack(x)                                                  # (N real tokens, D)
         attentions = []
         for layer in self.layers:
