@@ -114,7 +114,7 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
 
 def whole_text_attention(qkv: Tensor, packing: Packing, heads: int, kv_heads: int, head_dim: int,
                          scale: float | None) -> Tensor | None:
-    """An encoder's self-attention on the real tokens of a padded batch (`packing`), without a gradient,
+    """An encoder's self-attention on the real tokens of a batch (`packing`; padded or not), without a gradient,
     through tformer's kernel (gemv.attend_whole): each text's tokens attend to its own, read in place in
     the fused projection's output qkv (N, ·) -> (N, H·hd), with no padding put back and taken out. For
     texts of a few dozen tokens PyTorch's flash kernel and the padding around it took ~25% of MiniLM's time
