@@ -21,7 +21,9 @@ documented settings for concurrent serving:
 
 The load: `--requests` prompts of 16-256 words of Hamlet (seeded; the same text for every engine),
 streamed `/v1/completions`, greedy, `--max-tokens` new tokens each (llama.cpp: `ignore_eos`; the model
-has no EOS in tformer's and HF's config, so none stops early), by 16 concurrent clients. Per engine:
+has no EOS in tformer's and HF's config, so none stops early), by 16 concurrent clients on one asyncio
+event loop (aiohttp, as vLLM's benchmark_serving.py; before 2026-12-07 evening, 16 httpx threads, which took
+~9x the CPU: BENCHMARKS.md, "Side by side"). Per engine:
 aggregate generated tokens/s (completion tokens from the stream's usage, else the stream's chunks) and
 time to first token (p50). Rounds alternate the engines (tformer, llama.cpp, transformers, tformer, ...)
 so load from other processes hits all alike; printed: each round's figures and the ratios
@@ -31,6 +33,7 @@ tformer / peer per round, with their median and range.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -40,10 +43,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,19 +126,19 @@ def start(engine: str, work: Path, log, extra: list[str] = (), dtype: str = "fp3
     raise SystemExit(f"{engine} did not start in 300 s; see {log.name}")
 
 
-def stream(base: str, engine: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def stream(session, base: str, engine: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if engine == "llama.cpp":
         body["ignore_eos"] = True
     out = {"start": time.perf_counter(), "first": None, "chunks": 0, "tokens": None, "error": None}
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=900) as r:
-            if r.status_code != 200:
-                out["error"] = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+        async with session.post(f"{base}/v1/completions", json=body) as r:
+            if r.status != 200:
+                out["error"] = f"HTTP {r.status}: {(await r.read())[:300]!r}"
                 return out
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
+            async for line in r.content:                    # the stream's lines, as they arrive
+                if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -143,36 +146,32 @@ def stream(base: str, engine: str, model: str, prompt: str, max_tokens: int) -> 
                     out["chunks"] += 1
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"].get("completion_tokens")
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["end"] = time.perf_counter()
     return out
 
 
-def load(base: str, engine: str, model: str, prompts: list[str], max_tokens: int) -> dict:
-    results, lock, queue = [], threading.Lock(), list(prompts)
+async def load(base: str, engine: str, model: str, prompts: list[str], max_tokens: int) -> dict:
+    """CLIENTS concurrent streams on one event loop (as vLLM's benchmark_serving.py: aiohttp): the load
+    generator shares the machine's cores with the server, so it must cost little (16 httpx threads took
+    ~15% of a core on this load, which a server's threads then waited for; this client, ~1.5%)."""
+    results, queue = [], list(prompts)       # force_close: a connection per request (llama-server drops idle ones)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+        await stream(session, base, engine, model, prompts[0], 4)          # warm-up
+        cpu0, t0 = time.process_time(), time.perf_counter()
 
-    def client():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                prompt = queue.pop(0)
-            r = stream(base, engine, model, prompt, max_tokens)
-            with lock:
-                results.append(r)
+        async def client():
+            while queue:
+                results.append(await stream(session, base, engine, model, queue.pop(0), max_tokens))
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+        await asyncio.gather(*(client() for _ in range(CLIENTS)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ok = [r for r in results if r["error"] is None]
     tokens = sum(r["tokens"] if r["tokens"] is not None else r["chunks"] for r in ok)
     ttft = sorted(r["first"] - r["start"] for r in ok if r["first"])
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "client_cpu_s": cpu,
             "ttft_p50_s": statistics.median(ttft) if ttft else float("nan"),
             "errors": [r["error"] for r in results if r["error"]][:3], "n_errors": len(results) - len(ok)}
 
@@ -219,9 +218,7 @@ def main() -> None:
                     extra = {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "")
                     proc, base = start(engine, work, log, extra.split(), opts.dtype)
                     try:
-                        name = model_name(base)
-                        stream(base, engine, name, prompts[0], 4)          # warm-up
-                        row[engine] = load(base, engine, name, prompts, opts.max_tokens)
+                        row[engine] = asyncio.run(load(base, engine, model_name(base), prompts, opts.max_tokens))
                     finally:
                         proc.terminate()
                         try:
@@ -230,7 +227,8 @@ def main() -> None:
                             proc.kill()
                 r = row[engine]
                 print(f"round {k + 1} {engine:12s} {r['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
-                      f"{r['ttft_p50_s'] * 1e3:7.0f} ms  {r['tokens']} tokens  errors {r['n_errors']} "
+                      f"{r['ttft_p50_s'] * 1e3:7.0f} ms  {r['tokens']} tokens  client CPU {r['client_cpu_s']:.2f} s  "
+                      f"errors {r['n_errors']} "
                       f"{r['errors'][:1]}", flush=True)
             rounds.append(row)
         summary = {}

@@ -1,6 +1,7 @@
 """tformer.kernels.gemv's attention kernels: decoding attention for every row and head (`attend`: beams reading
-their source's keys in place, a reordered cache followed by its lineage) and an encoder's attention on the real
-tokens of a packed batch (`attend_whole`), each against the formula in float64, and the models that use them."""
+their source's keys in place, a reordered cache followed by its lineage), an encoder's attention on the real
+tokens of a packed batch (`attend_whole`) and a prompt's causal attention after its cached positions
+(`attend_causal`), each against the formula in float64, and the models that use them."""
 
 import pytest
 import torch
@@ -174,3 +175,79 @@ def test_a_reordered_cache_reads_as_the_copied_one():
     assert cache.lineage is not None and not torch.equal(cache.k[:, :, :cache.length], ref_k)   # nothing was moved
     cache.reorder(torch.tensor([5, 0, 0]))                        # fewer rows: settles, then keeps them
     assert cache.lineage is None and torch.equal(cache.k[:, :, :cache.length], ref_k[[5, 0, 0]])
+
+
+def causal_reference(q, k, v, scale):
+    """The formula in float64: q (T, H, hd), k, v (H_kv, L, hd); query i sees keys 0 .. L - T + i."""
+    T, H, hd = q.shape
+    k, v = (x.double().repeat_interleave(H // x.size(0), dim=0) for x in (k, v))       # (H, L, hd)
+    scores = torch.einsum("thd,hjd->htj", q.double(), k) * scale
+    allowed = torch.ones(T, k.size(1), dtype=torch.bool).tril(k.size(1) - T)
+    p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("htj,hjd->thd", p, v).reshape(T, H * hd)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H, H_kv, hd, offset, T", [
+    (12, 12, 64, 0, 128),       # a prompt of GPT-2-small's shape
+    (12, 12, 64, 200, 56),      # a server's last chunk of a prompt, after 200 positions
+    (8, 2, 128, 37, 9),         # grouped-query attention, a wider head, a block of queries and one more
+    (4, 4, 16, 0, 2),           # two queries
+    (4, 4, 32, 1000, 21),       # a long prefix
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])   # bf16: a server's --kv-cache-dtype
+def test_attend_causal_equals_the_formula(H, H_kv, hd, offset, T, kv_dtype):
+    torch.manual_seed(offset + T)
+    L = offset + T
+    q = torch.randn(T, 3 * H * hd)[:, :H * hd].view(T, H, hd)                # strided as in a fused projection
+    cache = torch.randn(2, H_kv, L + 7, hd).to(kv_dtype)                     # the filled part of a cache
+    k, v = cache[0, :, :L], cache[1, :, :L]
+    out = gemv.attend_causal(q, k, v, hd ** -0.5)
+    expected = causal_reference(q, k, v, hd ** -0.5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_attend_causal_declines_what_it_does_not_take():
+    q, k = torch.randn(3, 4, 16), torch.randn(4, 5, 16)
+    assert gemv.attend_causal(q, k, k, 0.25) is not None
+    assert gemv.attend_causal(torch.randn(6, 4, 16), k, k, 0.25) is None                 # more queries than keys
+    assert gemv.attend_causal(torch.randn(3, 4, 24), torch.randn(4, 5, 24), torch.randn(4, 5, 24), 1.0) is None
+    assert gemv.attend_causal(q.bfloat16(), k, k, 0.25) is None
+    assert gemv.attend_causal(q, k.bfloat16(), k, 0.25) is None                         # keys and values differ
+    assert gemv.attend_causal(q, torch.randn(3, 5, 16), torch.randn(3, 5, 16), 0.25) is None   # 4 heads on 3
+    assert gemv.attend_causal(q.transpose(0, 2).contiguous().transpose(0, 2), k, k, 0.25) is None
+
+
+@needs_kernel
+def test_a_prompt_and_its_chunks_attend_through_the_kernel_as_without(monkeypatch):
+    """A decoder's prompt in one step (generate's prefill) and in chunks after its cached positions (the
+    server's ragged passes, model/ragged.py) attend through attend_causal, and give what PyTorch's attention
+    gives with the kernel off."""
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
+    from tformer.model.ragged import Part, RaggedCache
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(kind="decoder", vocab_size=100, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2,
+                                d_ff=128, max_seq_len=64, dropout=0.0, positional="rope", norm="rmsnorm",
+                                activation="swiglu", bias=False)).eval()
+    ids = torch.randint(0, 100, (1, 40))
+
+    def run():
+        whole = model.step(ids, model.new_cache(1, 40), all_logits=True, head=False)     # (1, 40, D): one step
+        cache, chunks = model.new_cache(1, 40), []
+        for a, b in ((0, 16), (16, 30), (30, 40)):                                      # chunks after the cached ones
+            chunks.append(model.step(ids[0, a:b, None], RaggedCache([Part(cache, 1, b - a)]),
+                                     positions=torch.arange(a, b)[:, None], head=False))
+        return whole.reshape(40, -1), torch.cat(chunks).reshape(40, -1)
+
+    calls = []
+    original = gemv.attend_causal
+    monkeypatch.setattr(gemv, "attend_causal", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        ours = run()
+        assert len(calls) == 2 * 4                                      # each layer, in the step and each chunk
+        monkeypatch.setattr(gemv, "attend_causal", lambda *a: None)     # PyTorch's attention
+        theirs = run()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

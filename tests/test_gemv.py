@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_attend_kernel import whole_reference
+from test_attend_kernel import causal_reference, whole_reference
 from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
 from tformer.kernels import build, gemv
@@ -268,6 +268,9 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
         qkv = torch.randn(sum(lengths), 3 * 2 * 16)
         whole = gemv.attend_whole(qkv, F.pad(torch.tensor(lengths).cumsum(0), (1, 0)), 2, 2, 16, 0.25)
         torch.testing.assert_close(whole.double(), whole_reference(qkv, lengths, 2, 2, 16), atol=1e-5, rtol=1e-5)
+        q, kv = torch.randn(19, 2, 16), torch.randn(2, 2, 30, 16)         # a prompt's causal attention, 11 cached
+        torch.testing.assert_close(gemv.attend_causal(q, kv[0], kv[1], 0.25).double(),
+                                   causal_reference(q, kv[0], kv[1], 0.25), atol=1e-5, rtol=1e-5)
         model = gpt(d_ff=520)                            # GPT-2's GELU (tanh) in vectors, and a tail of 8
         for rows in (1, 3):
             ids = torch.randint(0, 300, (rows, 5), generator=torch.Generator().manual_seed(rows))

@@ -18,7 +18,8 @@ PyTorch's kernels (gemv.available); `status()` says which, for `tformer info` an
     gemv_bf16.c   the same on bf16 weights, and greedy decoding's argmax screened through them
     gemv_int8.c   int8 weights by 7-bit rows, summed exactly in integers (gemv.gemv8)
     attend.c      decoding attention: every row and head in one call (gemv.attend); an encoder's attention
-                  on the real tokens of a padded batch (gemv.attend_whole)
+                  on the real tokens of a padded batch (gemv.attend_whole); a prompt's causal attention after
+                  its cached positions (gemv.attend_causal)
     gpt_step.c    a pre-LN GPT's whole decoding step, built from the above (gemv.gpt_step)
     rmsnorm.c     RMSNorm's forward and backward for training, one pass each (gemv.rms_norm)
     gelu.c        GELU (tanh's approximation) forward and backward, one pass each (gemv.gelu_tanh)
@@ -220,6 +221,8 @@ FUNCTIONS = {
                        + [I64] * 7 + [FLOAT], None),                      # B, H, H_kv, T_k, hd, copies, bf16; scale
     "tformer_attend_whole": ([PTR] + [I64] * 3 + [PTR] * 2         # qkv, stride, k_off, v_off; starts, out
                              + [I64] * 6 + [FLOAT], None),          # out_stride, B, H, H_kv, hd, bf16; scale
+    "tformer_attend_causal": ([PTR, I64, I64] + [PTR] * 2 + [I64] * 4     # q + strides; k, v + strides
+                              + [PTR] + [I64] * 7 + [FLOAT], None),       # out; os, T, offset, H, H_kv, hd, bf16; scale
     "tformer_gpt_step": ([PTR, I64, PTR] + [I64] * 8 + [FLOAT, I64, FLOAT, PTR], None),
     "tformer_argmax_bf16": ([PTR] * 5 + [FLOAT] + [I64] * 3 + [PTR] * 2, ctypes.c_int),   # ...; r; M, N, K; rough, best
     "tformer_bf16_paired": ([], ctypes.c_int),

@@ -112,6 +112,19 @@ def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
+    """One sequence's new queries attending causally to its keys on a CPU in fp32 without a gradient, through
+    tformer's kernel (gemv.attend_causal): q (1, H, T, hd), T > 1, k and v (1, H_kv, L, hd), the last T positions
+    the queries' own -> (1, T, H·hd). A prompt's prefill, or a server's prompt chunk after the ones before it:
+    2-3x PyTorch's flash kernel on 56-256 queries (benchmarks/causal_attention.py; BENCHMARKS.md, "Kernels").
+    None where the kernel does not apply."""
+    if (q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(0) != 1 or k.size(0) != 1
+            or q.size(-2) < 2):
+        return None
+    out = gemv.attend_causal(q[0].transpose(0, 1), k[0], v[0], scale if scale is not None else q.size(-1) ** -0.5)
+    return None if out is None else out[None]
+
+
 def whole_text_attention(qkv: Tensor, packing: Packing, heads: int, kv_heads: int, head_dim: int,
                          scale: float | None) -> Tensor | None:
     """An encoder's self-attention on the real tokens of a batch (`packing`; padded or not), without a gradient,
@@ -234,6 +247,8 @@ class MultiHeadAttention(nn.Module):
 
         if not need_weights and position_bias is None and packing is None:
             out = decoding_attention(q, k, v, mask, self.scale, lineage)
+            if out is None and is_causal and mask is None and lineage is None and not self.cross:
+                out = causal_attention(q, k, v, self.scale)           # (is_causal, no mask: no cached positions)
             if out is not None:
                 return self.out_proj(out), None
         k, v = as_queries(q, k, v)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import inference_attention
+from .attention import causal_attention, inference_attention
 from .masks import self_attention_mask
 
 
@@ -55,7 +55,10 @@ class RaggedLayer:
             qp, kp, vp = (rows_of(t[start:end], part.rows, part.tokens) for t in (q, k, v))   # (rows, ·, T, hd)
             kp, vp = layer.update(kp, vp)                                           # the part's keys so far
             causal = mask is None and part.tokens > 1
-            outs.append(inference_attention(qp, kp, vp, mask, scale, causal).reshape(end - start, 1, -1))
+            out = causal_attention(qp, kp, vp, scale) if part.attention_mask is None else None   # (a prompt chunk)
+            if out is None:
+                out = inference_attention(qp, kp, vp, mask, scale, causal)
+            outs.append(out.reshape(end - start, 1, -1))
             start = end
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
