@@ -25,8 +25,9 @@ has no EOS in tformer's and HF's config, so none stops early), by 16 concurrent 
 event loop (aiohttp, as vLLM's benchmark_serving.py; before 2026-12-07 evening, 16 httpx threads, which took
 ~9x the CPU: BENCHMARKS.md, "Side by side"). Per engine:
 aggregate generated tokens/s (completion tokens from the stream's usage, else the stream's chunks) and
-time to first token (p50). Rounds alternate the engines (tformer, llama.cpp, transformers, tformer, ...)
-so load from other processes hits all alike; printed: each round's figures and the ratios
+time to first token (p50). Rounds alternate the engines, each round starting with the next (tformer,
+llama.cpp, transformers; llama.cpp, transformers, tformer; ...), so load from other processes hits all alike
+and none always runs right after the same one; printed: each round's figures and the ratios
 tformer / peer per round, with their median and range.
 """
 
@@ -213,7 +214,7 @@ def main() -> None:
         rounds = []
         for k in range(opts.rounds):
             row = {}
-            for engine in engines:
+            for engine in engines[k % len(engines):] + engines[:k % len(engines)]:     # each round starts with the next
                 with open(work / f"{engine}.log", "a") as log:
                     extra = {"tformer": opts.tformer_args, "llama.cpp": opts.llama_args}.get(engine, "")
                     proc, base = start(engine, work, log, extra.split(), opts.dtype)

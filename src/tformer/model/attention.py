@@ -119,7 +119,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Te
     2-3x PyTorch's flash kernel on 56-256 queries (benchmarks/causal_attention.py; BENCHMARKS.md, "Kernels").
     None where the kernel does not apply."""
     if (q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(0) != 1 or k.size(0) != 1
-            or q.size(-2) < 2):
+            or q.size(-2) < 2 or torch.compiler.is_compiling()):       # (a compiled model's evaluation: PyTorch's)
         return None
     out = gemv.attend_causal(q[0].transpose(0, 1), k[0], v[0], scale if scale is not None else q.size(-1) ** -0.5)
     return None if out is None else out[None]
