@@ -217,6 +217,7 @@ def test_attend_causal_declines_what_it_does_not_take():
     assert gemv.attend_causal(q, k.bfloat16(), k, 0.25) is None                         # keys and values differ
     assert gemv.attend_causal(q, torch.randn(3, 5, 16), torch.randn(3, 5, 16), 0.25) is None   # 4 heads on 3
     assert gemv.attend_causal(q.transpose(0, 2).contiguous().transpose(0, 2), k, k, 0.25) is None
+    assert gemv.attend_causal(q[None], k, k, 0.25) is None                              # a batch of sequences
 
 
 @needs_kernel

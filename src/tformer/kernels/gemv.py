@@ -31,8 +31,7 @@ from .build import function, unsupported
 
 __all__ = ["PLAN_ROWS", "BLOCK", "HUGE_PAGE", "MAX_HEAD", "MAX_KEYS", "available", "unsupported", "huge_page_empty",
            "pack", "pack8", "bf16_paired", "gemv", "argmax_bf16", "gemv8", "attend", "attend_whole", "attend_causal",
-           "gpt_step",
-           "rms_norm", "rms_norm_grad", "gelu_tanh", "gelu_tanh_grad"]
+           "gpt_step", "rms_norm", "rms_norm_grad", "gelu_tanh", "gelu_tanh_grad"]
 
 CHUNK_ROWS = 64       # rows per call of the kernel (8 or 4 at a time inside), so that they stay in the core's cache
 PLAN_ROWS = 8         # Gemv plans for large matrices up to this many rows per step; above, oneDNN's packed
@@ -213,10 +212,12 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | Non
     bf16, L >= T, the last T positions the queries' own -> (T, H·hd) fp32, heads side by side; query i
     attends to keys 0 .. L - T + i. None where the kernel does not take these inputs."""
     kernel = function("tformer_attend_causal")
+    if kernel is None or q.dim() != 3 or k.dim() != 3:
+        return None
     (T, H, hd), (H_kv, L) = q.shape, k.shape[:2]
-    if (kernel is None or q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.size(2) != hd or L < T or T == 0
-            or hd % 16 or hd > MAX_HEAD or H % H_kv or q.dtype != torch.float32 or v.dtype != k.dtype
-            or k.dtype not in (torch.float32, torch.bfloat16) or any(x.stride(-1) != 1 for x in (q, k, v))):
+    if (k.shape != v.shape or k.size(2) != hd or L < T or T == 0 or hd % 16 or hd > MAX_HEAD or H % H_kv
+            or q.dtype != torch.float32 or v.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16)
+            or any(x.stride(-1) != 1 for x in (q, k, v))):
         return None
     out = torch.empty(T, H * hd, dtype=torch.float32)
     kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
