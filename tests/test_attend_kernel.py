@@ -195,16 +195,20 @@ def causal_reference(q, k, v, scale):
     (4, 4, 16, 0, 2),           # two queries
     (4, 4, 32, 1000, 21),       # a long prefix
 ])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])   # bf16: a server's --kv-cache-dtype
-def test_attend_causal_equals_the_formula(H, H_kv, hd, offset, T, kv_dtype):
+@pytest.mark.parametrize("q_dtype, kv_dtype", [(torch.float32, torch.float32),
+                                                (torch.float32, torch.bfloat16),    # a server's --kv-cache-dtype bf16
+                                                (torch.bfloat16, torch.bfloat16)])  # a bf16 model's
+def test_attend_causal_equals_the_formula(H, H_kv, hd, offset, T, q_dtype, kv_dtype):
     torch.manual_seed(offset + T)
     L = offset + T
-    q = torch.randn(T, 3 * H * hd)[:, :H * hd].view(T, H, hd)                # strided as in a fused projection
+    q = torch.randn(T, 3 * H * hd)[:, :H * hd].view(T, H, hd).to(q_dtype)   # strided as in a fused projection
     cache = torch.randn(2, H_kv, L + 7, hd).to(kv_dtype)                     # the filled part of a cache
     k, v = cache[0, :, :L], cache[1, :, :L]
     out = gemv.attend_causal(q, k, v, hd ** -0.5)
     expected = causal_reference(q, k, v, hd ** -0.5)
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert out.dtype == q_dtype
+    bound = 1e-5 if q_dtype == torch.float32 else 2 ** -8     # bf16 out: rounded to 8 significant bits once
+    torch.testing.assert_close(out.double(), expected, atol=bound, rtol=bound)
 
 
 @needs_kernel
@@ -213,7 +217,7 @@ def test_attend_causal_declines_what_it_does_not_take():
     assert gemv.attend_causal(q, k, k, 0.25) is not None
     assert gemv.attend_causal(torch.randn(6, 4, 16), k, k, 0.25) is None                 # more queries than keys
     assert gemv.attend_causal(torch.randn(3, 4, 24), torch.randn(4, 5, 24), torch.randn(4, 5, 24), 1.0) is None
-    assert gemv.attend_causal(q.bfloat16(), k, k, 0.25) is None
+    assert gemv.attend_causal(q.half(), k.half(), k.half(), 0.25) is None
     assert gemv.attend_causal(q, k.bfloat16(), k, 0.25) is None                         # keys and values differ
     assert gemv.attend_causal(q, torch.randn(3, 5, 16), torch.randn(3, 5, 16), 0.25) is None   # 4 heads on 3
     assert gemv.attend_causal(q.transpose(0, 2).contiguous().transpose(0, 2), k, k, 0.25) is None
@@ -221,17 +225,19 @@ def test_attend_causal_declines_what_it_does_not_take():
 
 
 @needs_kernel
-def test_a_prompt_and_its_chunks_attend_through_the_kernel_as_without(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])                 # bf16: `tformer serve --dtype bf16`
+def test_a_prompt_and_its_chunks_attend_through_the_kernel_as_without(monkeypatch, dtype):
     """A decoder's prompt in one step (generate's prefill) and in chunks after its cached positions (the
     server's ragged passes, model/ragged.py) attend through attend_causal, and give what PyTorch's attention
-    gives with the kernel off."""
+    gives with the kernel off (in bf16 within the rounding of the layers' bf16 activations; a CPU with AMX keeps
+    PyTorch's kernel for bf16, which multiplies by AMX tiles there)."""
     from tformer.model.config import ModelConfig
     from tformer.model.models import Decoder
     from tformer.model.ragged import Part, RaggedCache
     torch.manual_seed(0)
     model = Decoder(ModelConfig(kind="decoder", vocab_size=100, d_model=64, n_heads=4, n_kv_heads=2, n_layers=2,
                                 d_ff=128, max_seq_len=64, dropout=0.0, positional="rope", norm="rmsnorm",
-                                activation="swiglu", bias=False)).eval()
+                                activation="swiglu", bias=False)).eval().to(dtype)
     ids = torch.randint(0, 100, (1, 40))
 
     def run():
@@ -246,9 +252,48 @@ def test_a_prompt_and_its_chunks_attend_through_the_kernel_as_without(monkeypatc
     original = gemv.attend_causal
     monkeypatch.setattr(gemv, "attend_causal", lambda *a: calls.append(1) or original(*a))
     with torch.no_grad():
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+        run()
+        assert len(calls) == (2 * 4 if dtype == torch.float32 else 0)  # with AMX, bf16 stays PyTorch's
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        calls.clear()
         ours = run()
         assert len(calls) == 2 * 4                                      # each layer, in the step and each chunk
         monkeypatch.setattr(gemv, "attend_causal", lambda *a: None)     # PyTorch's attention
         theirs = run()
+    bound = 1e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.float(), b.float(), atol=bound, rtol=bound)
+
+
+@needs_kernel
+def test_a_bf16_models_decoding_steps_attend_through_the_kernel(monkeypatch):
+    """A bf16 decoder's decoding steps widen their queries for gemv.attend (bf16 keys and values read as they
+    are) and give what PyTorch's bf16 attention gives, within bf16's rounding; with AMX, PyTorch's."""
+    from tformer.model.config import ModelConfig
+    from tformer.model.models import Decoder
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(kind="decoder", vocab_size=100, d_model=64, n_heads=4, n_layers=2, d_ff=128,
+                                max_seq_len=64, dropout=0.0, positional="rope")).eval().to(torch.bfloat16)
+    ids = torch.randint(0, 100, (3, 12))
+
+    def steps():
+        cache, out = model.new_cache(3, 20), []
+        model.step(ids[:, :8], cache, head=False)
+        for t in range(8, 12):                                          # one new token per row
+            out.append(model.step(ids[:, t:t + 1], cache, head=False))
+        return torch.stack(out).float()
+
+    calls = []
+    original = gemv.attend
+    monkeypatch.setattr(gemv, "attend", lambda *a, **k: calls.append(a[0].dtype) or original(*a, **k))
+    with torch.no_grad():
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+        steps()
+        assert calls == []                                              # with AMX: PyTorch's bf16 attention
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        ours = steps()
+        assert calls == [torch.float32] * 2 * 4                         # each layer of each step, widened
+        monkeypatch.setattr(gemv, "attend", lambda *a, **k: None)
+        theirs = steps()
+    torch.testing.assert_close(ours, theirs, atol=3e-2, rtol=1e-2)               # a few bf16 ulps at 2-4

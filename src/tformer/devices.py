@@ -68,6 +68,12 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def amx() -> bool:
+    """Whether this CPU has AMX tiles: PyTorch's CPU attention then multiplies bf16 by them (its flash kernel's
+    brgemm), and tformer's attention kernels, which sum bf16 in fp32 vectors, leave bf16 queries to it."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def cxx_compiler() -> str | None:
     """The C++ compiler torch.compile would use on a CPU ($CXX, else g++, clang++ or c++), or None."""
     for name in ([os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]):

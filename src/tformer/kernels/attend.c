@@ -199,11 +199,12 @@ void tformer_attend_whole(const void *qkv, int64_t stride, int64_t k_off, int64_
  * at ~160 GFLOP/s on a Zen 5 (~1/3 of its fp32 products') and with a mask for offset > 0 computes the
  * masked scores too. One task is a head: its keys are laid out by position once (kt, as in
  * tformer_attend_whole), then each block of QB queries scores the keys up to its last query's position
- * only. q: element (i, h, d) at q[i·qs + h·qh + d], fp32; k, v: (h_kv, j, d) at [h_kv·ksh + j·kst + d], fp32
- * or bf16 (`kv_bf16`); out: (i, h·hd + d) at out[i·os + h·hd + d], fp32. hd a multiple of LANES up to MAX_HD. */
-void tformer_attend_causal(const float *q, int64_t qs, int64_t qh, const void *k, const void *v, int64_t ksh,
-                           int64_t kst, int64_t vsh, int64_t vst, float *out, int64_t os, int64_t T, int64_t offset,
-                           int64_t H, int64_t H_kv, int64_t hd, int64_t kv_bf16, float scale) {
+ * only. q: element (i, h, d) at q[i·qs + h·qh + d]; k, v: (h_kv, j, d) at [h_kv·ksh + j·kst + d]; out: (i,
+ * h·hd + d) at out[i·os + h·hd + d] in q's dtype; q (and out) fp32 or bf16 (`q_bf16`: a bf16 model's), k and v
+ * fp32 or bf16 (`kv_bf16`), the sums fp32 either way. hd a multiple of LANES up to MAX_HD. */
+void tformer_attend_causal(const void *q, int64_t qs, int64_t qh, const void *k, const void *v, int64_t ksh,
+                           int64_t kst, int64_t vsh, int64_t vst, void *out, int64_t os, int64_t T, int64_t offset,
+                           int64_t H, int64_t H_kv, int64_t hd, int64_t q_bf16, int64_t kv_bf16, float scale) {
     const int64_t group = H / H_kv, nv = hd / LANES, L = offset + T;
     const int64_t lp = (L + LANES - 1) / LANES * LANES;
 #pragma omp parallel
@@ -222,7 +223,7 @@ void tformer_attend_causal(const float *q, int64_t qs, int64_t qh, const void *k
                 const int64_t tp = (seen + LANES - 1) / LANES * LANES;
                 for (int64_t c = 0; c < QB; c++)                      /* queries past the last: 0 */
                     for (int64_t d = 0; d < hd; d++)
-                        qv[d * QB + c] = c < nq ? scale * q[(i0 + c) * qs + h * qh + d] : 0.0f;
+                        qv[d * QB + c] = c < nq ? scale * element(q, (i0 + c) * qs + h * qh + d, q_bf16) : 0.0f;
                 for (int64_t j = 0; j < tp; j += LANES) {             /* scores: LANES keys x QB queries */
                     vec acc[QB];
                     for (int64_t c = 0; c < QB; c++) acc[c] = vzero();
@@ -254,8 +255,17 @@ void tformer_attend_causal(const float *q, int64_t qs, int64_t qh, const void *k
                         const vec vj = kv_load(v, vh + j * vst + e * LANES, kv_bf16);
                         for (int64_t c = 0; c < QB; c++) acc[c] = vfmadd(vset1(s[c * lp + j]), vj, acc[c]);
                     }
-                    for (int64_t c = 0; c < nq; c++)
-                        vstore(out + (i0 + c) * os + h * hd + e * LANES, vmul(acc[c], vset1(inv[c])));
+                    for (int64_t c = 0; c < nq; c++) {
+                        const int64_t oa = (i0 + c) * os + h * hd + e * LANES;
+                        const vec o = vmul(acc[c], vset1(inv[c]));
+                        if (!q_bf16) {
+                            vstore((float *)out + oa, o);
+                            continue;
+                        }
+                        float f[LANES];
+                        vstore(f, o);
+                        for (int64_t r = 0; r < LANES; r++) ((uint16_t *)out)[oa + r] = float_to_bf16(f[r]);
+                    }
                 }
             }
         }

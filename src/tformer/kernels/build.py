@@ -222,7 +222,7 @@ FUNCTIONS = {
     "tformer_attend_whole": ([PTR] + [I64] * 3 + [PTR] * 2         # qkv, stride, k_off, v_off; starts, out
                              + [I64] * 6 + [FLOAT], None),          # out_stride, B, H, H_kv, hd, bf16; scale
     "tformer_attend_causal": ([PTR, I64, I64] + [PTR] * 2 + [I64] * 4     # q + strides; k, v + strides
-                              + [PTR] + [I64] * 7 + [FLOAT], None),       # out; os, T, offset, H, H_kv, hd, bf16; scale
+                              + [PTR] + [I64] * 8 + [FLOAT], None),   # out; os, T, offset, H, H_kv, hd, 2 bf16s; scale
     "tformer_gpt_step": ([PTR, I64, PTR] + [I64] * 8 + [FLOAT, I64, FLOAT, PTR], None),
     "tformer_argmax_bf16": ([PTR] * 5 + [FLOAT] + [I64] * 3 + [PTR] * 2, ctypes.c_int),   # ...; r; M, N, K; rough, best
     "tformer_bf16_paired": ([], ctypes.c_int),

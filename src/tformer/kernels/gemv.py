@@ -208,21 +208,21 @@ def attend_whole(qkv: Tensor, starts: Tensor, heads: int, kv_heads: int, head_di
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
     """Causal self-attention of one sequence's T new queries after the positions cached before them, in one
-    call: q (T, H, hd) fp32 (any strides, the head dimension contiguous), k and v (H_kv, L, hd) fp32 or both
-    bf16, L >= T, the last T positions the queries' own -> (T, H·hd) fp32, heads side by side; query i
-    attends to keys 0 .. L - T + i. None where the kernel does not take these inputs."""
+    call: q (T, H, hd) fp32 or bf16 (any strides, the head dimension contiguous), k and v (H_kv, L, hd) fp32 or
+    both bf16, L >= T, the last T positions the queries' own -> (T, H·hd) in q's dtype, heads side by side;
+    query i attends to keys 0 .. L - T + i. None where the kernel does not take these inputs."""
     kernel = function("tformer_attend_causal")
     if kernel is None or q.dim() != 3 or k.dim() != 3:
         return None
     (T, H, hd), (H_kv, L) = q.shape, k.shape[:2]
     if (k.shape != v.shape or k.size(2) != hd or L < T or T == 0 or hd % 16 or hd > MAX_HEAD or H % H_kv
-            or q.dtype != torch.float32 or v.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16)
-            or any(x.stride(-1) != 1 for x in (q, k, v))):
+            or q.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype
+            or k.dtype not in (torch.float32, torch.bfloat16) or any(x.stride(-1) != 1 for x in (q, k, v))):
         return None
-    out = torch.empty(T, H * hd, dtype=torch.float32)
+    out = torch.empty(T, H * hd, dtype=q.dtype)
     kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
            v.stride(0), v.stride(1), out.data_ptr(), out.stride(0), T, L - T, H, H_kv, hd,
-           int(k.dtype == torch.bfloat16), scale)
+           int(q.dtype == torch.bfloat16), int(k.dtype == torch.bfloat16), scale)
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..devices import amx
 from ..kernels import gemv
 from .dropout import dropout
 from .kv_cache import CrossKVCache, KVCache, follow_lineage
@@ -90,36 +91,37 @@ def unfused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = Non
 
 
 def decoding_a_batch(q: Tensor, t: int) -> bool:
-    """A decoding step (one new token per sequence: t == 1) with at least 256 (row, head, query)
-    triples, where PyTorch's CPU flash kernel is slower than unfused_attention (Marian's beam
-    search: 64 rows x 8 heads; cross-attention of 16 x 8 with 4 beams folded into the queries) while it
-    is as fast or faster for fewer (GPT-2's 12 heads at batch 1 or 8; BENCHMARKS.md, "Kernels"). Such a
-    query always has a key to attend to (itself, or its source), so the unfused path's NaN for a fully
-    masked query cannot arise."""
+    """A decoding step (one new token per sequence: t == 1) with at least 256 (row, head, query) triples, where
+    PyTorch's CPU flash kernel is slower than unfused_attention (Marian's beam search: 64 rows x 8 heads;
+    cross-attention of 16 x 8 with 4 beams folded into the queries) while it is as fast or faster for fewer
+    (GPT-2's 12 heads at batch 1 or 8; BENCHMARKS.md, "Kernels"). Such a query always has a key to attend to
+    (itself, or its source), so the unfused path's NaN for a fully masked query cannot arise."""
     return t == 1 and q.size(-2) <= 16 and q.size(0) * q.size(1) * q.size(-2) >= 256
 
 
 def decoding_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
                        lineage: Tensor | None = None) -> Tensor | None:
-    """A decoding step on a CPU in fp32 (one new query per row, no gradient) through tformer's kernel
-    (gemv.attend): every (row, head) in one call, the beams of a source reading its keys in place
-    (no fold_copies), a beam its ancestors' keys where they were written (`lineage`, KVCache), the
-    heads written side by side -> (B, 1, H·hd). Faster than the batched products at Marian's beam search
-    and than the flash kernel at GPT-2's batch 1 (benchmarks/decode_attention.py; BENCHMARKS.md,
-    "Kernels"). None where the kernel does not apply (the paths above then run)."""
-    if q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(-2) != 1:
+    """A decoding step on a CPU (one new query per row, no gradient) through tformer's kernel (gemv.attend):
+    every (row, head) in one call, the beams of a source reading its keys in place (no fold_copies), a beam
+    its ancestors' keys where they were written (`lineage`, KVCache), the heads written side by side -> (B, 1,
+    H·hd). Faster than the batched products at Marian's beam search and than the flash kernel at GPT-2's batch
+    1 (benchmarks/decode_attention.py; BENCHMARKS.md, "Kernels"); a bf16 model's queries widened for it (not
+    with AMX: devices.amx). None where the kernel does not apply (the paths above then run)."""
+    bf16 = q.dtype == torch.bfloat16 and not amx()
+    if q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 and not bf16 or q.size(-2) != 1:
         return None
-    return gemv.attend(q, k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
+    out = gemv.attend(q.float(), k, v, mask, scale if scale is not None else q.size(-1) ** -0.5, lineage)
+    return out.to(q.dtype) if out is not None else None
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
-    """One sequence's new queries attending causally to its keys on a CPU in fp32 without a gradient, through
-    tformer's kernel (gemv.attend_causal): q (1, H, T, hd), T > 1, k and v (1, H_kv, L, hd), the last T positions
-    the queries' own -> (1, T, H·hd). A prompt's prefill, or a server's prompt chunk after the ones before it:
-    2-3x PyTorch's flash kernel on 56-256 queries (benchmarks/causal_attention.py; BENCHMARKS.md, "Kernels").
-    None where the kernel does not apply."""
-    if (q.device.type != "cpu" or q.requires_grad or q.dtype != torch.float32 or q.size(0) != 1 or k.size(0) != 1
-            or q.size(-2) < 2 or torch.compiler.is_compiling()):       # (a compiled model's evaluation: PyTorch's)
+    """One sequence's new queries attending causally to its keys on a CPU in fp32 or bf16 without a gradient,
+    through tformer's kernel (gemv.attend_causal): q (1, H, T, hd), T > 1, k and v (1, H_kv, L, hd), the last T
+    positions the queries' own -> (1, T, H·hd). A prompt's prefill, or a server's prompt chunk after the ones
+    before it: 1.6-3.3x PyTorch's flash kernel on 56-512 queries (benchmarks/causal_attention.py; BENCHMARKS.md,
+    "Kernels"); bf16 queries not with AMX (devices.amx). None where the kernel does not apply."""
+    if (q.device.type != "cpu" or q.requires_grad or q.size(0) != 1 or k.size(0) != 1 or q.size(-2) < 2
+            or torch.compiler.is_compiling() or q.dtype == torch.bfloat16 and amx()):   # (compiled: PyTorch's)
         return None
     out = gemv.attend_causal(q[0].transpose(0, 1), k[0], v[0], scale if scale is not None else q.size(-1) ** -0.5)
     return None if out is None else out[None]
