@@ -9,12 +9,11 @@ call, and the ratio.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from decode_attention import per_call_us  # this folder's: the same timing
 from tformer.kernels import gemv
 from tformer.model.masks import self_attention_mask
 
@@ -26,18 +25,6 @@ CASES = [  # name, cached positions, new queries
     ("chunk of 56 after 200", 200, 56),
     ("chunk of 128 after 896", 896, 128),
 ]
-
-
-def per_call_us(fn, n: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
         }
         bound = 1e-5 if dtype == torch.float32 else 2e-2                        # bf16: rounded outputs
         torch.testing.assert_close(paths["gemv.attend_causal"](), paths["SDPA"](), atol=bound, rtol=bound)
-        us = {p: per_call_us(fn) for p, fn in paths.items()}
+        us = {p: per_call_us(fn, 50) for p, fn in paths.items()}
         print(f"{name:26s}" + "  ".join(f"{p} {t:8.1f} µs" for p, t in us.items())
               + f"  kernel {us['SDPA'] / us['gemv.attend_causal']:.2f}x", flush=True)
 

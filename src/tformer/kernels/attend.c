@@ -114,6 +114,56 @@ static inline float element(const void *x, int64_t at, int64_t bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
 }
 
+/* The blocked kernels' shared steps (tformer_attend_whole, tformer_attend_causal). Keys are laid out by
+ * position, kt[d·ld + j]; QB queries by dimension, qv[d·QB + c], scaled; scores s[c·ls + j]. */
+
+/* scores of LANES keys from j x QB queries: QB independent sums of hd products */
+static inline void score_block(const float *kt, int64_t ld, int64_t j, const float *qv, int64_t hd, float *s,
+                               int64_t ls) {
+    vec acc[QB];
+    for (int64_t c = 0; c < QB; c++) acc[c] = vzero();
+    for (int64_t d = 0; d < hd; d++) {
+        const vec kd = vload(kt + d * ld + j);
+        for (int64_t c = 0; c < QB; c++) acc[c] = vfmadd(vset1(qv[d * QB + c]), kd, acc[c]);
+    }
+    for (int64_t c = 0; c < QB; c++) vstore(s + c * ls + j, acc[c]);
+}
+
+/* a row of scores over keys 0 .. n - 1 (tp >= n, a multiple of LANES) -> e^(s - max), 0 from n on; 1 / their sum */
+static inline float softmax_row(float *s, int64_t n, int64_t tp) {
+    for (int64_t j = n; j < tp; j++) s[j] = -INFINITY;
+    vec top = vload(s), total = vzero();
+    for (int64_t j = LANES; j < tp; j += LANES) top = vmax(top, vload(s + j));
+    const vec high = vset1(vmaxall(top));
+    for (int64_t j = 0; j < tp; j += LANES) {
+        vstore(s + j, vexp(vsub(vload(s + j), high)));
+        for (int64_t r = n > j ? n - j : 0; r < LANES; r++) s[j + r] = 0.0f;
+        total = vadd(total, vload(s + j));
+    }
+    return 1.0f / vsum(total);
+}
+
+/* acc[c] = Σ_j s[c·ls + j] v_j over keys 0 .. n - 1: LANES columns of the values, v_j at element v0 + j·vs */
+static inline void weigh_values(const void *v, int64_t v0, int64_t vs, int64_t n, const float *s, int64_t ls,
+                                int64_t bf16, vec acc[QB]) {
+    for (int64_t c = 0; c < QB; c++) acc[c] = vzero();
+    for (int64_t j = 0; j < n; j++) {
+        const vec vj = kv_load(v, v0 + j * vs, bf16);
+        for (int64_t c = 0; c < QB; c++) acc[c] = vfmadd(vset1(s[c * ls + j]), vj, acc[c]);
+    }
+}
+
+/* LANES outputs at element `at` of out, fp32 or rounded to bf16 */
+static inline void store_out(void *out, int64_t at, vec o, int64_t bf16) {
+    if (!bf16) {
+        vstore((float *)out + at, o);
+        return;
+    }
+    float f[LANES];
+    vstore(f, o);
+    for (int64_t r = 0; r < LANES; r++) ((uint16_t *)out)[at + r] = float_to_bf16(f[r]);
+}
+
 void tformer_attend_whole(const void *qkv, int64_t stride, int64_t k_off, int64_t v_off, const int64_t *starts,
                           void *out, int64_t out_stride, int64_t B, int64_t H, int64_t H_kv, int64_t hd,
                           int64_t bf16, float scale) {
@@ -145,47 +195,16 @@ void tformer_attend_whole(const void *qkv, int64_t stride, int64_t k_off, int64_
                 for (int64_t q = 0; q < QB; q++)                      /* queries past the text's end: 0 */
                     for (int64_t d = 0; d < hd; d++)
                         qs[d * QB + q] = i0 + q < n ? scale * element(qkv, (first + i0 + q) * stride + h * hd + d, bf16) : 0.0f;
-                for (int64_t j = 0; j < tp; j += LANES) {             /* scores: LANES keys x QB queries */
-                    vec acc[QB];
-                    for (int64_t q = 0; q < QB; q++) acc[q] = vzero();
-                    for (int64_t d = 0; d < hd; d++) {
-                        const vec kd = vload(kt + d * tp + j);
-                        for (int64_t q = 0; q < QB; q++) acc[q] = vfmadd(vset1(qs[d * QB + q]), kd, acc[q]);
-                    }
-                    for (int64_t q = 0; q < QB; q++) vstore(s + q * tp + j, acc[q]);
-                }
+                for (int64_t j = 0; j < tp; j += LANES)               /* scores: LANES keys x QB queries */
+                    score_block(kt, tp, j, qs, hd, s, tp);
                 float inv[QB];
-                for (int64_t q = 0; q < QB; q++) {                    /* s -> e^(s - max), 0 past the end */
-                    float *sq = s + q * tp;
-                    for (int64_t j = n; j < tp; j++) sq[j] = -INFINITY;
-                    vec top = vload(sq), total = vzero();
-                    for (int64_t j = LANES; j < tp; j += LANES) top = vmax(top, vload(sq + j));
-                    const vec high = vset1(vmaxall(top));
-                    for (int64_t j = 0; j < tp; j += LANES) {
-                        vstore(sq + j, vexp(vsub(vload(sq + j), high)));
-                        for (int64_t r = n > j ? n - j : 0; r < LANES; r++) sq[j + r] = 0.0f;
-                        total = vadd(total, vload(sq + j));
-                    }
-                    inv[q] = 1.0f / vsum(total);
-                }
+                for (int64_t q = 0; q < QB; q++) inv[q] = softmax_row(s + q * tp, n, tp);   /* 0 past the end */
                 for (int64_t c = 0; c < nv; c++) {                    /* out = p V: LANES columns x QB queries */
                     vec acc[QB];
-                    for (int64_t q = 0; q < QB; q++) acc[q] = vzero();
-                    for (int64_t j = 0; j < n; j++) {
-                        const vec vj = kv_load(qkv, (first + j) * stride + vc + c * LANES, bf16);
-                        for (int64_t q = 0; q < QB; q++) acc[q] = vfmadd(vset1(s[q * tp + j]), vj, acc[q]);
-                    }
-                    for (int64_t q = 0; q < QB && i0 + q < n; q++) {
-                        const int64_t oa = (first + i0 + q) * out_stride + h * hd + c * LANES;
-                        const vec o = vmul(acc[q], vset1(inv[q]));
-                        if (!bf16) {
-                            vstore((float *)out + oa, o);
-                            continue;
-                        }
-                        float f[LANES];
-                        vstore(f, o);
-                        for (int64_t r = 0; r < LANES; r++) ((uint16_t *)out)[oa + r] = float_to_bf16(f[r]);
-                    }
+                    weigh_values(qkv, first * stride + vc + c * LANES, stride, n, s, tp, bf16, acc);
+                    for (int64_t q = 0; q < QB && i0 + q < n; q++)
+                        store_out(out, (first + i0 + q) * out_stride + h * hd + c * LANES, vmul(acc[q], vset1(inv[q])),
+                                  bf16);
                 }
             }
         }
@@ -224,48 +243,15 @@ void tformer_attend_causal(const void *q, int64_t qs, int64_t qh, const void *k,
                 for (int64_t c = 0; c < QB; c++)                      /* queries past the last: 0 */
                     for (int64_t d = 0; d < hd; d++)
                         qv[d * QB + c] = c < nq ? scale * element(q, (i0 + c) * qs + h * qh + d, q_bf16) : 0.0f;
-                for (int64_t j = 0; j < tp; j += LANES) {             /* scores: LANES keys x QB queries */
-                    vec acc[QB];
-                    for (int64_t c = 0; c < QB; c++) acc[c] = vzero();
-                    for (int64_t d = 0; d < hd; d++) {
-                        const vec kd = vload(kt + d * lp + j);
-                        for (int64_t c = 0; c < QB; c++) acc[c] = vfmadd(vset1(qv[d * QB + c]), kd, acc[c]);
-                    }
-                    for (int64_t c = 0; c < QB; c++) vstore(s + c * lp + j, acc[c]);
-                }
-                float inv[QB];
-                for (int64_t c = 0; c < QB; c++) {                    /* s -> e^(s - max), 0 after the query */
-                    float *sc = s + c * lp;
-                    const int64_t n = offset + i0 + c + 1;            /* keys 0 .. n - 1 */
-                    for (int64_t j = n; j < tp; j++) sc[j] = -INFINITY;
-                    vec top = vload(sc), total = vzero();
-                    for (int64_t j = LANES; j < tp; j += LANES) top = vmax(top, vload(sc + j));
-                    const vec high = vset1(vmaxall(top));
-                    for (int64_t j = 0; j < tp; j += LANES) {
-                        vstore(sc + j, vexp(vsub(vload(sc + j), high)));
-                        for (int64_t r = n > j ? n - j : 0; r < LANES; r++) sc[j + r] = 0.0f;
-                        total = vadd(total, vload(sc + j));
-                    }
-                    inv[c] = 1.0f / vsum(total);
-                }
+                for (int64_t j = 0; j < tp; j += LANES)               /* scores: LANES keys x QB queries */
+                    score_block(kt, lp, j, qv, hd, s, lp);
+                float inv[QB];                                        /* query c sees keys 0 .. offset + i0 + c */
+                for (int64_t c = 0; c < QB; c++) inv[c] = softmax_row(s + c * lp, offset + i0 + c + 1, tp);
                 for (int64_t e = 0; e < nv; e++) {                    /* out = p V: LANES columns x QB queries */
                     vec acc[QB];
-                    for (int64_t c = 0; c < QB; c++) acc[c] = vzero();
-                    for (int64_t j = 0; j < seen; j++) {
-                        const vec vj = kv_load(v, vh + j * vst + e * LANES, kv_bf16);
-                        for (int64_t c = 0; c < QB; c++) acc[c] = vfmadd(vset1(s[c * lp + j]), vj, acc[c]);
-                    }
-                    for (int64_t c = 0; c < nq; c++) {
-                        const int64_t oa = (i0 + c) * os + h * hd + e * LANES;
-                        const vec o = vmul(acc[c], vset1(inv[c]));
-                        if (!q_bf16) {
-                            vstore((float *)out + oa, o);
-                            continue;
-                        }
-                        float f[LANES];
-                        vstore(f, o);
-                        for (int64_t r = 0; r < LANES; r++) ((uint16_t *)out)[oa + r] = float_to_bf16(f[r]);
-                    }
+                    weigh_values(v, vh + e * LANES, vst, seen, s, lp, kv_bf16, acc);
+                    for (int64_t c = 0; c < nq; c++)
+                        store_out(out, (i0 + c) * os + h * hd + e * LANES, vmul(acc[c], vset1(inv[c])), q_bf16);
                 }
             }
         }
