@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.build import status
-from ..model.linear import packs
+from ..model.linear import Packed, packs
 
 
 def sync(device: str) -> None:
@@ -168,8 +168,8 @@ def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, device: str, min_tim
     b = torch.randn(k, n, device=device).to(dtype)
     products = [lambda: torch.matmul(a, b)]
     if device == "cpu" and packs(dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), m)
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        packed = Packed(b.t().contiguous(), m)
+        products.append(lambda: packed(a, None))
     seconds = min(median_time(f, device, repeats=3, warmup=2, min_time=min_time) for f in products)
     return 2 * m * k * n / seconds / 1e9
 
