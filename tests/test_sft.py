@@ -168,6 +168,28 @@ def test_bad_input_is_a_one_line_error_naming_file_and_line(base, tmp_path, caps
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {data}:4: ") and message in err
 
 
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_dropout_flags_reach_the_fine_tuned_model(base, tmp_path, task):
+    """--dropout / --attn-dropout set the model a fine-tune trains (as for every other task); without them it
+    keeps the base's."""
+    from tformer.cli import build_parser
+    from tformer.cli.train import prepare
+
+    row = GOOD[0] if task == "sft" else {"prompt": "what is 1 plus two?", "chosen": "3", "rejected": "4"}
+    data = write_jsonl(tmp_path / "data.jsonl", [row] * 8)
+    argv = ["train", "--task", task, "--init", str(base), "--data", str(data), "--max-steps", "1", "--out",
+            str(tmp_path / "run")]
+    x = torch.randint(0, 50, (2, 12))
+    for flags, expected in [([], (0.0, None)),   # the base's (attention: as --dropout)
+                             (["--dropout", "0.3", "--attn-dropout", "0.2"], (0.3, 0.2))]:
+        model = prepare(build_parser().parse_args([*argv, *flags])).task.build_model()
+        assert (model.cfg.dropout, model.cfg.attn_dropout) == expected
+        torch.manual_seed(0)
+        with torch.no_grad():
+            dropped = not torch.equal(model.train()(x), model.eval()(x))
+        assert dropped == bool(flags)
+
+
 def test_a_run_carries_its_template_to_load_and_the_server(base, tmp_path, capsys):
     from tformer.checkpoints.format import load_tokenizer
     from tformer.checkpoints.layout import resolve

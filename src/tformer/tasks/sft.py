@@ -48,6 +48,7 @@ from ..errors import ConfigError, DataError, warn
 from ..model.masks import segment_mask
 from ..training.config import TrainOptions
 from ..training.options import option
+from .common import dropout_overrides
 
 SAMPLE_TOKENS = 48  # the progress sample's reply length at most
 
@@ -119,7 +120,7 @@ class SFTTask:
         config = read_config(self.base)
         if config["architecture"] != "Decoder":
             raise ConfigError(f"--init {base} is a {config['architecture']}, not a Decoder")
-        self.cfg = ModelConfig.from_dict(config["config"])
+        self.cfg = ModelConfig.from_dict(config["config"]).replace(**dropout_overrides(opts))   # --dropout given
         self.context = opts.context or self.cfg.max_seq_len
         if self.context > self.cfg.max_seq_len:
             raise ConfigError(f"--context {self.context} is longer than the model's max_seq_len {self.cfg.max_seq_len}")
