@@ -22,8 +22,9 @@ from tformer.training.loop import Trainer
 
 TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
         "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n") * 30
-SMALL = ["--preset", "tiny", "--context", "32", "--batch-size", "8", "--warmup", "2", "--eval-every", "1000",
+SMALL = ["--context", "32", "--batch-size", "8", "--warmup", "2", "--eval-every", "1000",
          "--no-progress", "--precision", "fp32", "--dropout", "0"]
+SCRATCH = ["--preset", "tiny", *SMALL]   # a run from scratch; one from --init takes the checkpoint's shape
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
 
 
@@ -47,7 +48,7 @@ def data(tmp_path_factory) -> str:
 def base(data, tmp_path_factory) -> Path:
     """A tiny trained language model: the base the LoRA runs start from (--init)."""
     out = tmp_path_factory.mktemp("base") / "run"
-    _, result = run(["--data", data, *SMALL, "--max-steps", "3", "--out", str(out)])
+    _, result = run(["--data", data, *SCRATCH, "--max-steps", "3", "--out", str(out)])
     return Path(result.checkpoint)
 
 
@@ -122,7 +123,7 @@ def test_resume_reaches_the_same_adapter(data, base, tmp_path):
 
 def test_a_changed_or_missing_base_is_refused_by_name(data, tmp_path, capsys):
     base_run = tmp_path / "base"
-    _, b = run(["--data", data, *SMALL, "--max-steps", "2", "--out", str(base_run)])
+    _, b = run(["--data", data, *SCRATCH, "--max-steps", "2", "--out", str(base_run)])
     _, r = run(["--data", data, *SMALL, "--init", b.checkpoint, "--lora-r", "2", "--max-steps", "2",
                 "--out", str(tmp_path / "lora")])
     want = json.loads((Path(b.checkpoint) / "config.json").read_text())["files"]["model.safetensors"]
@@ -149,7 +150,7 @@ def test_a_changed_or_missing_base_is_refused_by_name(data, tmp_path, capsys):
                                   ["--lora-int8"]])
 def test_bad_lora_flags_are_one_line_errors(flag, data, tmp_path, capsys):
     try:
-        code = main(["train", "--data", data, *SMALL, "--max-steps", "2", *flag, "--out", str(tmp_path / "o")])
+        code = main(["train", "--data", data, *SCRATCH, "--max-steps", "2", *flag, "--out", str(tmp_path / "o")])
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err.strip()
@@ -159,7 +160,7 @@ def test_bad_lora_flags_are_one_line_errors(flag, data, tmp_path, capsys):
 
 def test_lora_without_init_saves_its_base_once(data, tmp_path):
     """No --init: the freshly built model is the base, written once as RUN/base/ and named relatively."""
-    trainer, result = run(["--data", data, *SMALL, "--lora-r", "2", "--max-steps", "2", "--save-every", "1",
+    trainer, result = run(["--data", data, *SCRATCH, "--lora-r", "2", "--max-steps", "2", "--save-every", "1",
                            "--out", str(tmp_path / "r")])
     config = json.loads((Path(result.checkpoint) / "adapter_config.json").read_text())
     assert config["base"] == "../../base" and (tmp_path / "r" / "base" / "model.safetensors").is_file()

@@ -136,8 +136,10 @@ CASES = [
     ("train-resume-not-run", "train --resume {d}/empty_dir", "empty_dir"),
     ("train-resume-corrupt", "train --resume {b}/corrupt_config", "config.json"),
     ("train-init-wrong-kind", "train --data {d}/lm.txt --init {clf} --max-steps 1 --out {ws}/new", "Decoder"),
-    ("train-context-too-long", "train --data {d}/lm.txt --preset tiny --init {lm} --context 4096 --max-steps 1 "
-     "--out {ws}/new", "--context"),
+    ("train-context-too-long", "train --data {d}/lm.txt --init {lm} --context 4096 --max-steps 1 --out {ws}/new",
+     "--context"),
+    ("train-init-with-preset", "train --data {d}/lm.txt --init {lm} --preset small --max-steps 1 --out {ws}/new",
+     "--preset"),
     ("train-batch-too-big", "train --data {d}/lm.txt --preset tiny --batch-size 100000000 --max-steps 1 "
      "--out {ws}/new", "--batch-size"),
     ("train-unknown-preset", "train --data {d}/lm.txt --preset huge --max-steps 1 --out {ws}/new", "huge"),

@@ -168,15 +168,19 @@ def test_bad_input_is_a_one_line_error_naming_file_and_line(base, tmp_path, caps
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {data}:4: ") and message in err
 
 
-@pytest.mark.parametrize("task", ["sft", "dpo"])
-def test_dropout_flags_reach_the_fine_tuned_model(base, tmp_path, task):
-    """--dropout / --attn-dropout set the model a fine-tune trains (as for every other task); without them it
-    keeps the base's."""
+@pytest.mark.parametrize("task", ["lm", "sft", "dpo"])
+def test_dropout_flags_reach_the_model_fine_tuned_from_init(base, tmp_path, task):
+    """--dropout / --attn-dropout set the model a run from --init trains (as classify's and tag's); without
+    them it keeps the base's."""
     from tformer.cli import build_parser
     from tformer.cli.train import prepare
 
-    row = GOOD[0] if task == "sft" else {"prompt": "what is 1 plus two?", "chosen": "3", "rejected": "4"}
-    data = write_jsonl(tmp_path / "data.jsonl", [row] * 8)
+    if task == "lm":
+        data = tmp_path / "text.txt"
+        data.write_text("what is one plus two? three.\n" * 200, encoding="utf-8")
+    else:
+        row = GOOD[0] if task == "sft" else {"prompt": "what is 1 plus two?", "chosen": "3", "rejected": "4"}
+        data = write_jsonl(tmp_path / "data.jsonl", [row] * 8)
     argv = ["train", "--task", task, "--init", str(base), "--data", str(data), "--max-steps", "1", "--out",
             str(tmp_path / "run")]
     x = torch.randint(0, 50, (2, 12))

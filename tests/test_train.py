@@ -96,9 +96,14 @@ def test_grad_accumulation_equals_full_batch(data, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
-def test_resume_reaches_identical_weights(data, tmp_path):
-    """6 steps straight == 3 steps, stop, resume, 3 more (dropout on, bf16: everything must match)."""
+@pytest.mark.parametrize("init", [False, True], ids=["scratch", "init"])
+def test_resume_reaches_identical_weights(data, tmp_path, init):
+    """6 steps straight == 3 steps, stop, resume, 3 more (dropout on, bf16: everything must match); also for a
+    run from --init, whose shape is the checkpoint's (no --preset: resuming it once failed for want of one)."""
     flags = ["--data", data, *SMALL, "--max-steps", "6", "--dropout", "0.1", "--precision", "bf16"]
+    if init:
+        base = train([*flags, "--max-steps", "2", "--out", str(tmp_path / "base")])
+        flags = [f for f in flags if f not in ("--preset", "tiny")] + ["--init", base.checkpoint]
     straight = train([*flags, "--out", str(tmp_path / "straight")])
     half = train([*flags, "--out", str(tmp_path / "split"), "--stop-at", "3"])
     assert half.reason == "stop_at" and half.step == 3

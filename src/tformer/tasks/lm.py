@@ -115,14 +115,15 @@ class LMTask:
         self.prompt = opts.prompt if opts.prompt else self.val_text[:16]
 
     def _config(self):
-        if self.init is not None:
+        init = self.init or self.opts.init     # on --resume the run's --init still names the shape (as sft's)
+        if init is not None:
             from ..checkpoints.format import read_config
             from ..model.config import ModelConfig
 
-            data = read_config(self.init)
+            data = read_config(init)
             if data["architecture"] != "Decoder":
-                raise ConfigError(f"--init {self.init} is a {data['architecture']}, not a Decoder")
-            return ModelConfig.from_dict(data["config"])
+                raise ConfigError(f"--init {init} is a {data['architecture']}, not a Decoder")
+            return ModelConfig.from_dict(data["config"]).replace(**dropout_overrides(self.opts))
         if self.opts.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.opts.preset!r}; choose one of {', '.join(PRESETS)}")
         overrides: dict[str, Any] = {"kind": "decoder", "vocab_size": self.tokenizer.vocab_size,

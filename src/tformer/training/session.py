@@ -67,6 +67,18 @@ def _check_names(options: dict[str, Any]) -> None:
         raise ConfigError(f"unknown training option(s): {', '.join(sorted(unknown))}")
 
 
+FROM_INIT = ("preset", "tokenizer", "vocab_size")   # what an --init checkpoint brings: its shape, its tokenizer
+
+
+def _check_init(options: dict[str, Any]) -> None:
+    """A flag choosing what --init's checkpoint brings is an error, not quietly left unused."""
+    given = [name for name in FROM_INIT if options.get(name) is not None]
+    if options.get("init") is not None and given:
+        flags = " and ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"{flags} cannot apply with --init {options['init']}: the model's shape and its tokenizer "
+                          "are the checkpoint's")
+
+
 def resumed_options(resume: str | os.PathLike, options: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """(options, checkpoint directory) of a run continued from `resume` (a run or checkpoint directory):
     the saved run's options updated with the `options` given now (None: not given). Only options
@@ -92,6 +104,7 @@ def prepare(task: str | None = None, *, resume: str | os.PathLike | None = None,
     is. Raises ConfigError / DataError / CheckpointError for what is wrong."""
     options = {**options, "task": task}
     _check_names(options)
+    _check_init(options)
     if resume:
         options, resume = resumed_options(resume, options)
     name = options.get("task") or "lm"
