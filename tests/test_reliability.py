@@ -140,6 +140,8 @@ CASES = [
      "--context"),
     ("train-init-with-preset", "train --data {d}/lm.txt --init {lm} --preset small --max-steps 1 --out {ws}/new",
      "--preset"),
+    ("train-lora-flags-without-rank", "train --data {d}/lm.txt --init {lm} --lora-alpha 32 --max-steps 1 "
+     "--out {ws}/new", "--lora-r"),
     ("train-batch-too-big", "train --data {d}/lm.txt --preset tiny --batch-size 100000000 --max-steps 1 "
      "--out {ws}/new", "--batch-size"),
     ("train-unknown-preset", "train --data {d}/lm.txt --preset huge --max-steps 1 --out {ws}/new", "huge"),

@@ -70,13 +70,16 @@ def _check_names(options: dict[str, Any]) -> None:
 FROM_INIT = ("preset", "tokenizer", "vocab_size")   # what an --init checkpoint brings: its shape, its tokenizer
 
 
-def _check_init(options: dict[str, Any]) -> None:
-    """A flag choosing what --init's checkpoint brings is an error, not quietly left unused."""
-    given = [name for name in FROM_INIT if options.get(name) is not None]
-    if options.get("init") is not None and given:
-        flags = " and ".join("--" + name.replace("_", "-") for name in given)
-        raise ConfigError(f"{flags} cannot apply with --init {options['init']}: the model's shape and its tokenizer "
-                          "are the checkpoint's")
+def _check_unused(given: set[str], values: dict[str, Any]) -> None:
+    """A flag (`given`: the options set, not None) the run `values` would leave unused is an error, not
+    quietly dropped: one choosing what --init's checkpoint brings, LoRA's settings where no rank is set."""
+    def flags(names: list[str]) -> str:
+        return " and ".join("--" + name.replace("_", "-") for name in names)
+    if values.get("init") is not None and (shape := [n for n in FROM_INIT if n in given]):
+        raise ConfigError(f"{flags(shape)} cannot apply with --init {values['init']}: the model's shape and its "
+                          "tokenizer are the checkpoint's")
+    if values.get("lora_r") is None and (lora := sorted(n for n in given if n.startswith("lora_"))):
+        raise ConfigError(f"{flags(lora)} set LoRA's adapters: give --lora-r too (without it every weight trains)")
 
 
 def resumed_options(resume: str | os.PathLike, options: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -104,12 +107,13 @@ def prepare(task: str | None = None, *, resume: str | os.PathLike | None = None,
     is. Raises ConfigError / DataError / CheckpointError for what is wrong."""
     options = {**options, "task": task}
     _check_names(options)
-    _check_init(options)
+    given = {k for k, v in options.items() if v is not None}
     if resume:
         options, resume = resumed_options(resume, options)
     name = options.get("task") or "lm"
     cls = task_class(name)
     values, chosen = resolve_options(cls, options)
+    _check_unused(given, values)
     filled = run_defaults(values, name)        # after the recipe: its max_steps is a budget too
     values.update(filled)
     options.update(filled)
