@@ -159,7 +159,10 @@ def test_batched_replies_equal_replies_one_at_a_time(chat_model):
     assert 0.0 <= figures["preference_accuracy"] <= 1.0 and "numbers_exact_match" in figures
 
 
-def test_tformer_eval_reports_the_test_split_figures(chat_model, tmp_path, capsys):
+@pytest.mark.parametrize("split", [None, "validation"], ids=["default-test", "validation"])
+def test_tformer_eval_reports_the_test_split_figures(chat_model, tmp_path, capsys, split):
+    """By default the test split; --split validation (where recipes are chosen) scores that split instead (it
+    once scored the test split whatever --split said)."""
     import json
 
     import tformer
@@ -171,9 +174,11 @@ def test_tformer_eval_reports_the_test_split_figures(chat_model, tmp_path, capsy
     (tmp_path / "assistant" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
                                                                                "eos_token": "<eos>"}))
     assert main(["eval", "--model", str(tmp_path / "assistant"), "--data", "tformer-instruct", "--limit", "24",
-                 "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+                 "--json", *(["--split", split] if split else [])]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out.strip().splitlines()[0])
+    assert f"split: {split or 'test'} (the first 24 of" in err
     loaded = tformer.load(tmp_path / "assistant")
-    direct = scorer.score(loaded, tok, template, instruct.items("test")[:24])
+    direct = scorer.score(loaded, tok, template, instruct.items(split or "test")[:24])
     assert printed == {k: direct[k] for k in printed}
     assert set(printed) >= {"routing", "preference_accuracy"}

@@ -266,12 +266,16 @@ def eval_dpo(model, tokenizer, meta, args, task):
 
 
 def eval_instruct(model, tokenizer, args):
-    """tformer-instruct's test split: replies generated and scored (routing, numbers, sentiment), and the
-    reference reply's log-probability against the wrong one's; per task below the headline figures."""
+    """tformer-instruct's test split (or --split validation, where recipes are chosen): replies generated and
+    scored (routing, numbers, sentiment), and the reference reply's log-probability against the wrong one's;
+    per task below the headline figures."""
     from tformer.data import instruct
     from tformer.evaluation.instruct import score
 
-    items = _limit(instruct.items("test"), args.limit)
+    split = args.split or "test"
+    every = instruct.items(split)
+    items = _limit(every, args.limit)
+    _say(args, split, len(every), len(items), "items")
     figures = score(model, tokenizer, _chat_renderer(args.model, tokenizer).template, items)
     headline = ("routing", "numbers_exact_match", "sentiment_accuracy", "preference_accuracy")
     tasks = sorted({item.task for item in items})
@@ -279,4 +283,4 @@ def eval_instruct(model, tokenizer, args):
     rows += [f"{t:<10} {sum(i.task == t for i in items):>5} {figures[f'routing/{t}']:>8.3f} "
              f"{figures[f'exact/{t}']:>6.3f} {figures[f'preference/{t}']:>10.3f}" for t in tasks]
     return ({k: figures[k] for k in headline if k in figures},
-            f"tformer-instruct, test split ({len(items)} items, never trained on):\n" + "\n".join(rows))
+            f"tformer-instruct, {split} split ({len(items)} items, never trained on):\n" + "\n".join(rows))
