@@ -169,29 +169,31 @@ def test_bad_input_is_a_one_line_error_naming_file_and_line(base, tmp_path, caps
 
 
 @pytest.mark.parametrize("task", ["lm", "sft", "dpo"])
-def test_dropout_flags_reach_the_model_fine_tuned_from_init(base, tmp_path, task):
+def test_dropout_flags_reach_the_model_fine_tuned_from_init(tokenizer, tmp_path, task):
     """--dropout / --attn-dropout set the model a run from --init trains (as classify's and tag's); without
-    them it keeps the base's."""
+    them lm and sft keep the base's dropout, and dpo trains without any (trl's disable_dropout default)."""
     from tformer.cli import build_parser
     from tformer.cli.train import prepare
 
+    base = decoder(tokenizer, "learned", max_seq_len=64)
+    tformer.save(Decoder(base.cfg.replace(dropout=0.2)), tmp_path / "base", tokenizer=tokenizer)
     if task == "lm":
         data = tmp_path / "text.txt"
         data.write_text("what is one plus two? three.\n" * 200, encoding="utf-8")
     else:
         row = GOOD[0] if task == "sft" else {"prompt": "what is 1 plus two?", "chosen": "3", "rejected": "4"}
         data = write_jsonl(tmp_path / "data.jsonl", [row] * 8)
-    argv = ["train", "--task", task, "--init", str(base), "--data", str(data), "--max-steps", "1", "--out",
-            str(tmp_path / "run")]
+    argv = ["train", "--task", task, "--init", str(tmp_path / "base"), "--data", str(data), "--max-steps", "1",
+            "--out", str(tmp_path / "run")]
     x = torch.randint(0, 50, (2, 12))
-    for flags, expected in [([], (0.0, None)),   # the base's (attention: as --dropout)
-                             (["--dropout", "0.3", "--attn-dropout", "0.2"], (0.3, 0.2))]:
+    unset = (0.0, 0.0) if task == "dpo" else (0.2, None)          # None: attention takes --dropout's
+    for flags, expected in [([], unset), (["--dropout", "0.3", "--attn-dropout", "0.2"], (0.3, 0.2))]:
         model = prepare(build_parser().parse_args([*argv, *flags])).task.build_model()
         assert (model.cfg.dropout, model.cfg.attn_dropout) == expected
         torch.manual_seed(0)
         with torch.no_grad():
             dropped = not torch.equal(model.train()(x), model.eval()(x))
-        assert dropped == bool(flags)
+        assert dropped == (expected[0] > 0)
 
 
 def test_a_run_carries_its_template_to_load_and_the_server(base, tmp_path, capsys):

@@ -14,7 +14,9 @@ the assistant turn the template writes (its end-of-turn included). A pair whose 
 The reference model is the frozen --init model. With --lora-r it is the trained model itself with its
 adapters turned off (tformer.model.lora.adapters_off): no second copy of the weights. Without LoRA the
 task keeps one frozen copy of the --init weights (made on the first loss, on the model's device). Its
-log-probabilities are computed per batch under no_grad, in eval mode (no dropout), nothing precomputed.
+log-probabilities are computed per batch under no_grad, in eval mode (no dropout), nothing precomputed. The
+policy trains without the model's dropout too (trl's `disable_dropout`, on by default), unless --dropout or
+--attn-dropout is given; LoRA's own dropout (--lora-dropout) stays as set.
 
 Training logs, next to the DPO loss, trl's rewards/chosen, rewards/rejected, rewards/margins and
 rewards/accuracies of the steps (the implicit reward of a response is beta * (log pi - log pi_ref)); validation,
@@ -209,6 +211,8 @@ class DPOTask(SFTTask):
         if not opts.data:
             raise ConfigError("--task dpo needs --data FILE.jsonl (prompt, chosen, rejected per line)")
         self.load_base(opts, tokenizer, init)
+        if opts.dropout is None and opts.attn_dropout is None:       # trl's disable_dropout (its default): the
+            self.cfg = self.cfg.replace(dropout=0.0, attn_dropout=0.0)   # policy's log-probs as the reference's
         renderer = Renderer(self.tokenizer, self.template)
         train, val = pair_splits(opts.data, opts.val_fraction, opts.seed)
         if not val:
