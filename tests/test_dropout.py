@@ -1,9 +1,47 @@
-"""tformer's dropout: the rate, the 1/(1-p) scaling, the gradient, determinism, and nn.Dropout's contract."""
+"""tformer's dropout: the rate, the 1/(1-p) scaling, the gradient, determinism, and nn.Dropout's contract,
+through tformer's kernel (kernels/dropout.c) and through PyTorch's ops (where the kernel is not built)."""
 
 import pytest
 import torch
 
+import tformer.model.dropout as module
+from tformer.kernels.build import function
 from tformer.model.dropout import Dropout, dropout
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "kernel" and function("tformer_dropout") is None:
+        pytest.skip("tformer's kernel library is not built here")
+    if request.param == "torch":
+        monkeypatch.setattr(module, "function", lambda name: None)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_survivors_are_scaled_as_pytorch_scales_them_and_the_gradient_takes_the_same_mask(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000, 37, dtype=dtype, requires_grad=True)            # not a multiple of 4 or 1,024
+    y = dropout(x, 0.3)
+    kept = y != 0
+    assert y.dtype == dtype and 0.69 < kept.float().mean().item() < 0.71
+    assert torch.equal(y[kept], x[kept] * (1 / 0.7))                         # PyTorch's product, its rounding
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, g * kept * (1 / 0.7))
+
+
+def test_the_mask_depends_on_the_seed_not_on_the_threads():
+    x, threads = torch.randn(100_003), torch.get_num_threads()
+    torch.manual_seed(7)
+    a = dropout(x, 0.5)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(7)
+        b = dropout(x, 0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

@@ -23,6 +23,7 @@ PyTorch's kernels (gemv.available); `status()` says which, for `tformer info` an
     gpt_step.c    a pre-LN GPT's whole decoding step, built from the above (gemv.gpt_step)
     rmsnorm.c     RMSNorm's forward and backward for training, one pass each (gemv.rms_norm)
     gelu.c        GELU (tanh's approximation) forward and backward, one pass each (gemv.gelu_tanh)
+    dropout.c     dropout for training, forward and backward, one pass each (model/dropout.py)
     simd.h        the vectors they share (AVX-512 or AVX2);  kernels.h: the functions one calls in another
 """
 
@@ -229,6 +230,8 @@ FUNCTIONS = {
     "tformer_rmsnorm": ([PTR] * 4 + [I64] * 2 + [FLOAT], None),            # x, w, y, r; rows, d; eps
     "tformer_rmsnorm_grad": ([PTR] * 6 + [I64] * 3, None),                 # x, w, r, g, dx, dw parts; rows, d, threads
     "tformer_gelu_tanh": ([PTR] * 2 + [I64], None),                        # x, y; n
+    "tformer_dropout": ([PTR] * 3 + [I64] * 3 + [FLOAT, I64], None),      # x, y, keep; n, seed, threshold; s, bf16
+    "tformer_dropout_grad": ([PTR] * 3 + [I64, FLOAT, I64], None),        # g, dx, keep; n; s, bf16
     "tformer_gelu_tanh_grad": ([PTR] * 3 + [I64], None),                   # x, g, dx; n
 }
 

@@ -55,8 +55,9 @@ SAMPLE_TOKENS = 48  # the progress sample's reply length at most
 
 # The walk-through's second step: full rows of 256 tokens (16 packed conversations of ~60 tokens each), the
 # rate of a small model's fine-tuning, a fixed number of steps (the same model on any machine), no dropout
-# (on validation dropout 0.1 led by 2.7 points of sentiment on 300 items at 1.45x the step time, 0.1 without
-# attention dropout by as much but 3 points behind on numbers: BENCHMARKS.md, "The assistant walk-through");
+# (on validation dropout 0.1 led by 2.7 points of sentiment on 300 items at 1.45x the step time, ~1.1x since the
+# dropout kernel; 0.1 without attention dropout by as much but 3 points behind on numbers: BENCHMARKS.md, "The
+# assistant walk-through");
 # chosen on the validation split (tformer.data.instruct), never on the test split `tformer eval` reports.
 INSTRUCT = {"batch_size": 16, "lr": 2e-3, "warmup": 30, "weight_decay": 0.0, "max_steps": 1800, "eval_every": 600}
 
