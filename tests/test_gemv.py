@@ -17,6 +17,7 @@ from test_fused import gpt, steps
 from tformer.inference.quant import quantize_weight
 from tformer.kernels import build, gemv
 from tformer.model import linear, plans
+from tformer.model.dropout import dropout
 from tformer.model.linear import Gemv, Linear
 from tformer.model.plans import plan_decoding
 
@@ -227,13 +228,17 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
     blocks the AVX2 build reads in pairs: gemv.pack lays them out for the library loaded), the
     screened argmax (AVX2 passes 4 rows at a time, so 8 rows take two), and the int8 product bit for
     bit as the library built for this CPU gives it (AVX2's integer pairs and VNNI's sum the same), RMSNorm
-    and its gradients as PyTorch's, and a GPT's fused step as its layers give it."""
+    and its gradients as PyTorch's, dropout's mask as this CPU's build draws it, and a GPT's fused step as its
+    layers give it."""
     if not _runs(cpu):
         pytest.skip(f"this CPU cannot run the {cpu} build")
     torch.manual_seed(1)
     q, scales = quantize_weight(torch.randn(37, 103))
     int8_x = [torch.randn(rows, 103) for rows in (1, 3, 8, 64)]
     int8_here = [gemv.gemv8(gemv.pack8(q, scales), x, None, 37) for x in int8_x] if gemv.available() else None
+    drop_x = torch.randn(3, 1001)
+    torch.manual_seed(2)
+    dropped_here = dropout(drop_x, 0.3) if gemv.available() else None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
     monkeypatch.setattr(build, "library_path", lambda: tmp_path / f"_gemv-{cpu}.so")
     build.function.cache_clear()
@@ -255,6 +260,9 @@ def test_each_vector_width_multiplies_right(monkeypatch, tmp_path, cpu):
                     assert torch.equal(head.argmax(x), head(x).argmax(dim=-1))
         for x, expected in zip(int8_x, int8_here or []):
             assert torch.equal(gemv.gemv8(gemv.pack8(q, scales), x, None, 37), expected)
+        if dropped_here is not None:                     # dropout's mask: integer hashing, the same in every build
+            torch.manual_seed(2)
+            assert torch.equal(dropout(drop_x, 0.3), dropped_here)
         for d in (37, 128):                              # RMSNorm for training: a vector tail, whole vectors
             x, w, g = torch.randn(5, d), torch.randn(d), torch.randn(5, d)
             y, r = gemv.rms_norm(x, w, 1e-6)
