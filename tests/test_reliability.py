@@ -176,6 +176,8 @@ CASES = [
     ("translate-wrong-kind", "translate --model {clf} un", "EncoderClassifier"),
     ("translate-corrupt-config", "translate --model {b}/corrupt_config un", "config.json"),
     ("eval-missing-model", "eval --model {ws}/nope", "nope"),
+    ("eval-beams-for-a-language-model", "eval --model {lm} --num-beams 4", "--num-beams"),
+    ("eval-text-column-for-a-translator", "eval --model {mt} --text-column review", "--text-column"),
     ("eval-binary-data", "eval --model {lm} --data {d}/binary.bin", "binary.bin"),
     ("eval-wrong-columns", "eval --model {clf} --data {d}/wrong_cols.csv", "label"),
     ("eval-pairs-no-tab", "eval --model {mt} --data {d}/no_tab.tsv", "tab"),

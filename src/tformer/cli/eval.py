@@ -75,7 +75,15 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model)
     meta = read_config(args.model).get("meta", {})
     name = meta["task"] if model.kind == "decoder" and meta.get("task") in CHAT_TASKS else TASK_OF_KIND[model.kind]
-    if args.data == INSTRUCT and model.kind == "decoder":
+    instructed = args.data == INSTRUCT and model.kind == "decoder"
+    unused = [flag for flag, given, applies in (("--num-beams", args.num_beams != 1, name == "translate"),
+                                                ("--text-column", args.text_column is not None, name == "classify"),
+                                                ("--label-column", args.label_column is not None, name == "classify"))
+              if given and (instructed or not applies)]
+    if unused:   # an error, not quietly unused
+        raise ConfigError(f"{' and '.join(unused)} cannot apply to {args.model}: it scores a {type(model).__name__}"
+                          f"{' on tformer-instruct' if instructed else ''}")
+    if instructed:
         result, extra = eval_instruct(model, tokenizer, args)
     else:
         result, extra = scorers[name](model, tokenizer, meta, args, task_class(name))
