@@ -95,18 +95,6 @@ void tformer_attend(const float *q, int64_t qsb, int64_t qsh,
  * LANES keys of scores are QB independent sums of hd products; its values are read in place. The rows
  * are asked for (prefetched) a few ahead: each is a cache miss the first time a head reads it. hd a
  * multiple of LANES up to MAX_HD. */
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {         /* round to nearest even (finite values) */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #define QB 8               /* queries of one text and head at a time: 8 independent sums in flight */
 

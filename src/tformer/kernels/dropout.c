@@ -10,8 +10,7 @@
  * backward. Values fp32, or bf16 (bf16 = 1: x · s computed in fp32 and rounded to nearest even, as PyTorch
  * rounds a bf16 product).
  */
-#include <stdint.h>
-#include <string.h>
+#include "simd.h"
 #include "kernels.h"
 
 static inline uint64_t hash(uint64_t seed, uint64_t j) {       /* splitmix64 of the j-th counter */
@@ -19,20 +18,6 @@ static inline uint64_t hash(uint64_t seed, uint64_t j) {       /* splitmix64 of 
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
-}
-
-static inline float widen(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t narrow(float f) {                       /* to bf16, nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #define CHUNK 1024      /* elements per task: their 256 hashes on the stack, each loop below vectorised */
@@ -57,7 +42,7 @@ static void apply(const void *x, void *y, const uint8_t *keep, uint8_t *mask, in
         if (bf16) {
             const uint16_t *xb = (const uint16_t *)x + first;
             uint16_t *yb = (uint16_t *)y + first;
-            for (int64_t i = 0; i < count; i++) yb[i] = narrow(widen(xb[i]) * (k[i] ? s : 0.0f));
+            for (int64_t i = 0; i < count; i++) yb[i] = float_to_bf16(bf16_to_float(xb[i]) * (k[i] ? s : 0.0f));
         } else {
             const float *xf = (const float *)x + first;
             float *yf = (float *)y + first;

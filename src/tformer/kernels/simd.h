@@ -105,4 +105,19 @@ static inline vec vexp(vec x) {
     return vscale2(vfmadd(p, vmul(r, r), vadd(r, vset1(1.0f))), n);
 }
 
+/* One bf16 value to fp32 (exact) and back (round to nearest even; a NaN stays a NaN). */
+static inline float bf16_to_float(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 #endif
