@@ -166,6 +166,8 @@ CASES = [
     ("generate-top-p", "generate --model {lm} --prompt hi --top-p 1.5", "--top-p"),
     ("generate-temperature", "generate --model {lm} --prompt hi --temperature -1", "--temperature"),
     ("generate-num-beams", "generate --model {lm} --prompt hi --num-beams 0", "--num-beams"),
+    ("generate-beams-with-sampling", "generate --model {lm} --prompt hi --num-beams 2 --top-k 5 --seed 1",
+     "--top-k, --seed apply to sampling"),
     # classify / translate / eval
     ("classify-missing-model", "classify --model {ws}/nope good", "nope"),
     ("classify-text-not-utf8", ["classify", "--model", "{clf}", "bon \udcff"], "byte 4"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from tformer.cli import COMMANDS
-from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype
+from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype, sampling_options
 from tformer.generation.settings import CHAT_DEFAULTS as DEFAULTS
 
 
@@ -64,9 +64,7 @@ def run(args) -> int:
     max_new = DEFAULTS.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     room = min(max_new, context // 2)                              # kept free for the reply
     check_generation(model.cfg, 1, context, device)
-    options = dict(do_sample=not args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                   eos_token_id=eos_ids(model, tokenizer=tokenizer))
+    options = dict(**sampling_options(args, DEFAULTS), eos_token_id=eos_ids(model, tokenizer=tokenizer))
     # one generator for the whole conversation: a seed gives the same replies to the same messages
     generator = make_generator(args.seed, device) if args.seed is not None else None
     conversation = Conversation(template, template_reader(tokenizer), args.system)

@@ -95,21 +95,25 @@ def check_file_destination(src: Path, dst: Path, force: bool) -> None:
         raise TformerError(f"{dst} exists (pass --force to replace it)")
 
 
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p")    # what only sampling reads (argparse's dests)
+
+
 def add_sampling_flags(p, defaults, max_new_tokens_help: str) -> None:
     """The sampling flags `tformer generate` and `tformer chat` share, with `defaults` (a
-    generation.settings.Defaults) shown in --help; --max-new-tokens defaults to None (the caller's rule)."""
+    generation.settings.Defaults) shown in --help; --max-new-tokens defaults to None (the caller's rule),
+    and so do SAMPLING_FLAGS, so that a flag given can be told from its default (sampling_options fills them)."""
     from tformer.cli.args import nonneg_float, nonneg_int, positive_float, probability, seed, unit_open_closed
 
     p.add_argument("--max-new-tokens", type=nonneg_int, default=None, metavar="N", help=max_new_tokens_help)
-    p.add_argument("--temperature", type=nonneg_float, default=defaults.temperature, metavar="T",
+    p.add_argument("--temperature", type=nonneg_float, default=None, metavar="T",
                    help="divide the logits by T before sampling: <1 sharper, >1 more random, 0 = greedy "
-                        "(default %(default)s)")
-    p.add_argument("--top-k", type=nonneg_int, default=defaults.top_k, metavar="K",
-                   help="sample only among the K most likely tokens; 0 = off (default %(default)s)")
-    p.add_argument("--top-p", type=unit_open_closed, default=defaults.top_p, metavar="P",
+                        f"(default {defaults.temperature})")
+    p.add_argument("--top-k", type=nonneg_int, default=None, metavar="K",
+                   help=f"sample only among the K most likely tokens; 0 = off (default {defaults.top_k})")
+    p.add_argument("--top-p", type=unit_open_closed, default=None, metavar="P",
                    help="sample only among the most likely tokens holding probability P, in (0, 1]; 1 = off "
-                        "(default %(default)s)")
-    p.add_argument("--min-p", type=probability, default=defaults.min_p, metavar="P",
+                        f"(default {defaults.top_p})")
+    p.add_argument("--min-p", type=probability, default=None, metavar="P",
                    help=f"drop tokens less likely than P times the most likely one (default {defaults.min_p or 'off'})")
     p.add_argument("--repetition-penalty", type=positive_float, default=defaults.repetition_penalty, metavar="R",
                    help="make tokens already in the text less likely; 1 = off, 1.1-1.3 is typical "
@@ -117,3 +121,16 @@ def add_sampling_flags(p, defaults, max_new_tokens_help: str) -> None:
     p.add_argument("--seed", type=seed, default=None,
                    help="random seed: the same seed gives the same text (default: random)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
+
+
+def sampling_given(args) -> list[str]:
+    """The sampling-only flags given on the command line (and --seed), as the user wrote them."""
+    given = [name for name in SAMPLING_FLAGS if getattr(args, name) is not None]
+    return ["--" + name.replace("_", "-") for name in given + (["seed"] if args.seed is not None else [])]
+
+
+def sampling_options(args, defaults) -> dict:
+    """generate()'s sampling arguments from add_sampling_flags' flags, `defaults` where not given."""
+    options = {name: getattr(defaults, name) if getattr(args, name) is None else getattr(args, name)
+               for name in SAMPLING_FLAGS}
+    return dict(do_sample=not args.greedy, repetition_penalty=args.repetition_penalty, **options)

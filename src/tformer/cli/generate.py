@@ -17,7 +17,7 @@ import sys
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import positive_int
-from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype
+from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype, sampling_given, sampling_options
 from tformer.generation.settings import TEXT_DEFAULTS as DEFAULTS
 
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
@@ -35,8 +35,9 @@ def register(sub) -> None:
     add_sampling_flags(p, DEFAULTS, f"stop after N new tokens (default {DEFAULTS.max_new_tokens}); a decoder whose "
                                     "context fills up continues from the last half-context of text")
     p.add_argument("--num-beams", type=positive_int, default=DEFAULTS.num_beams, metavar="N",
-                   help="beam search with N beams: the most likely continuation; sampling flags are ignored and the "
-                        "text is printed at the end (default %(default)s)")
+                   help="beam search with N beams: the most likely continuation, printed at the end; it does not "
+                        "sample (--temperature, --top-k, --top-p, --min-p, --seed are errors with it; "
+                        "--repetition-penalty applies) (default %(default)s)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the generated text contains STR (not printed); repeatable")
     p.add_argument("--no-echo", action="store_true", help="print only the new text, not the prompt before it")
@@ -67,6 +68,11 @@ def run(args) -> int:
         except OSError as e:
             raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
                                f"pipe the text in or give it directly") from None
+    if args.num_beams > 1 and (given := sampling_given(args)):
+        one = len(given) == 1
+        raise TformerError(f"{', '.join(given)} {'applies' if one else 'apply'} to sampling, which beam search "
+                           f"(--num-beams {args.num_beams}) does not do: drop {'it' if one else 'them'} or use "
+                           f"--num-beams 1")
     dtype = model_dtype(args.dtype)                      # (its warning once, for the model and a draft)
     model = load(args.model, dtype=dtype)
     if model.kind not in ("decoder", "encoder-decoder"):
@@ -84,9 +90,8 @@ def run(args) -> int:
         used = 1 if model.is_encoder_decoder else max(len(tokenizer.encode(prompt)), 1)
         if args.max_new_tokens is None:
             max_new = max(0, min(max_new, model.cfg.max_seq_len - used))
-    options = dict(max_new_tokens=max_new, do_sample=not args.greedy and args.num_beams == 1,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                   repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
+    options = dict(sampling_options(args, DEFAULTS), do_sample=not args.greedy and args.num_beams == 1,
+                   max_new_tokens=max_new, num_beams=args.num_beams,
                    eos_token_id=eos_ids(model, tokenizer=tokenizer), **_speculation(args, tokenizer, dtype))
     # one generator for the whole text: the sliding window's rounds continue its sequence
     generator = make_generator(args.seed, next(model.parameters()).device) if args.seed is not None else None
