@@ -169,6 +169,19 @@ def test_cli_refuses_drafts_it_cannot_serve(decoder, tmp_path, capsys):
     assert err.startswith("error: --prompt-lookup serves decoders") and err.count("\n") == 1
 
 
+def test_cli_refuses_serving_flags_the_model_would_not_use(decoder, tmp_path, capsys):
+    """The pool's and the prefix cache's flags on a model that has neither are one-line errors, not ignored."""
+    seq2seq, encoder = save_tiny(tmp_path / "s2s", "encoder-decoder"), save_tiny(tmp_path / "enc", "encoder")
+    assert main(["serve", "--model", str(seq2seq), "--prefix-cache-mb", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prefix-cache-mb applies to decoders;") and "encoder-decoder" in err
+    assert err.count("\n") == 1
+    assert main(["serve", "--model", str(encoder), "--prefill-tokens", "64", "--kv-cache-dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prefill-tokens, --kv-cache-dtype apply to models that generate text;")
+    assert "is an encoder" in err and err.count("\n") == 1
+
+
 def test_a_row_that_never_drafted_moves_into_a_freed_slot(drafts):
     """The draft's pool grows when rows first draft: a row admitted after the last drafting step and moved
     (a cancelled row's slot) has no allocated slot to copy, and holds nothing."""

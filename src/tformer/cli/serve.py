@@ -98,6 +98,16 @@ def run(args) -> int:
     if drafts and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
         raise ConfigError(f"{drafts} serves decoders without a position bias; {served.name!r} is "
                           f"{'an encoder-decoder' if served.kind == 'encoder-decoder' else 'not one'}")
+    generates, decoder = served.kind in ("decoder", "encoder-decoder"), served.kind == "decoder"
+    unused = [flag for flag, value, applies in (("--prefill-tokens", args.prefill_tokens, generates),
+                                                ("--kv-cache-dtype", args.kv_cache_dtype, generates),
+                                                ("--prefix-cache-mb", args.prefix_cache_mb, decoder))
+              if value is not None and not applies]
+    if unused:
+        one, kind = len(unused) == 1, served.kind
+        raise ConfigError(f"{', '.join(unused)} {'applies' if one else 'apply'} to "
+                          f"{'decoders' if generates else 'models that generate text'}; {served.name!r} is "
+                          f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}: drop {'it' if one else 'them'}")
     given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb),
                                ("prompt_lookup", args.prompt_lookup), ("draft_tokens", args.num_draft_tokens),
                                ("kv_cache_dtype", args.kv_cache_dtype))
