@@ -169,7 +169,7 @@ def test_cli_refuses_drafts_it_cannot_serve(decoder, tmp_path, capsys):
     assert err.startswith("error: --prompt-lookup serves decoders") and err.count("\n") == 1
 
 
-def test_cli_refuses_serving_flags_the_model_would_not_use(decoder, tmp_path, capsys):
+def test_cli_refuses_serving_flags_the_model_would_not_use(tmp_path, capsys):
     """The pool's and the prefix cache's flags on a model that has neither are one-line errors, not ignored."""
     seq2seq, encoder = save_tiny(tmp_path / "s2s", "encoder-decoder"), save_tiny(tmp_path / "enc", "encoder")
     assert main(["serve", "--model", str(seq2seq), "--prefix-cache-mb", "64"]) == 2

@@ -98,7 +98,9 @@ def run(args) -> int:
     if drafts and (served.kind != "decoder" or served.model.cfg.positional == "relative"):
         raise ConfigError(f"{drafts} serves decoders without a position bias; {served.name!r} is "
                           f"{'an encoder-decoder' if served.kind == 'encoder-decoder' else 'not one'}")
-    generates, decoder = served.kind in ("decoder", "encoder-decoder"), served.kind == "decoder"
+    from tformer.serve.state import GENERATES
+
+    generates, decoder = served.kind in GENERATES, served.kind == "decoder"
     unused = [flag for flag, value, applies in (("--prefill-tokens", args.prefill_tokens, generates),
                                                 ("--kv-cache-dtype", args.kv_cache_dtype, generates),
                                                 ("--prefix-cache-mb", args.prefix_cache_mb, decoder))
