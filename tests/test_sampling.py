@@ -149,9 +149,14 @@ def test_generate_takes_hugging_faces_defaults_from_settings():
 
 
 def test_the_cli_and_the_lm_samples_share_the_text_defaults():
+    from tformer.cli import generate as generate_cli
+    from tformer.cli.common import sampling_options
+
     args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p"])
+    assert args.temperature is None                          # not given: run() fills it, as the others
+    options = {**sampling_options(args, generate_cli.DEFAULTS), "num_beams": args.num_beams}
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "num_beams"):
-        assert getattr(args, name) == getattr(TEXT_DEFAULTS, name), name
+        assert options[name] == getattr(TEXT_DEFAULTS, name), name
     assert args.max_new_tokens is None                       # filled in by run() from TEXT_DEFAULTS
     params = inspect.signature(sample_text).parameters
     for name in ("max_new_tokens", "temperature", "top_k", "top_p"):
