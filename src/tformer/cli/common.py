@@ -123,6 +123,14 @@ def add_sampling_flags(p, defaults, max_new_tokens_help: str) -> None:
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
 
 
+def apply_only_to(flags: list[str], what: str, rest: str) -> str:
+    """The one-line message for flags given where they would be unused: "--a, --b apply to WHAT" + rest, where
+    rest may name them as {it}."""
+    one = len(flags) == 1
+    rest = rest.replace("{it}", "it" if one else "them")
+    return f"{', '.join(flags)} {'applies' if one else 'apply'} to {what}{rest}"
+
+
 def sampling_given(args) -> list[str]:
     """The sampling-only flags given on the command line (and --seed), as the user wrote them."""
     given = [name for name in SAMPLING_FLAGS if getattr(args, name) is not None]

@@ -17,7 +17,14 @@ import sys
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import positive_int
-from tformer.cli.common import add_dtype_flag, add_sampling_flags, model_dtype, sampling_given, sampling_options
+from tformer.cli.common import (
+    add_dtype_flag,
+    add_sampling_flags,
+    apply_only_to,
+    model_dtype,
+    sampling_given,
+    sampling_options,
+)
 from tformer.generation.settings import TEXT_DEFAULTS as DEFAULTS
 
 MAX_NEW_TOKENS = 100_000  # a sliding window lets a decoder write on forever; a typo should not
@@ -69,10 +76,8 @@ def run(args) -> int:
             raise TformerError(f"--prompt - reads the prompt from stdin, which cannot be read here ({e}); "
                                f"pipe the text in or give it directly") from None
     if args.num_beams > 1 and (given := sampling_given(args)):
-        one = len(given) == 1
-        raise TformerError(f"{', '.join(given)} {'applies' if one else 'apply'} to sampling, which beam search "
-                           f"(--num-beams {args.num_beams}) does not do: drop {'it' if one else 'them'} or use "
-                           f"--num-beams 1")
+        raise TformerError(apply_only_to(given, "sampling", f", which beam search (--num-beams {args.num_beams}) "
+                                                            "does not do: drop {it} or use --num-beams 1"))
     dtype = model_dtype(args.dtype)                      # (its warning once, for the model and a draft)
     model = load(args.model, dtype=dtype)
     if model.kind not in ("decoder", "encoder-decoder"):

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tformer.cli import COMMANDS
 from tformer.cli.args import nonneg_float, number, positive_int
-from tformer.cli.common import add_dtype_flag, model_dtype
+from tformer.cli.common import add_dtype_flag, apply_only_to, model_dtype
 
 port = number(int, 0, 65535, what="a port number")
 
@@ -106,10 +106,9 @@ def run(args) -> int:
                                                 ("--prefix-cache-mb", args.prefix_cache_mb, decoder))
               if value is not None and not applies]
     if unused:
-        one, kind = len(unused) == 1, served.kind
-        raise ConfigError(f"{', '.join(unused)} {'applies' if one else 'apply'} to "
-                          f"{'decoders' if generates else 'models that generate text'}; {served.name!r} is "
-                          f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}: drop {'it' if one else 'them'}")
+        kind = f"{'an' if served.kind[0] in 'aeiou' else 'a'} {served.kind}"
+        raise ConfigError(apply_only_to(unused, "decoders" if generates else "models that generate text",
+                                        f"; {served.name!r} is {kind}: drop {{it}}"))
     given = {k: v for k, v in (("prefill_tokens", args.prefill_tokens), ("prefix_cache_mb", args.prefix_cache_mb),
                                ("prompt_lookup", args.prompt_lookup), ("draft_tokens", args.num_draft_tokens),
                                ("kv_cache_dtype", args.kv_cache_dtype))
